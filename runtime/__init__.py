@@ -1,0 +1,1 @@
+"""The serving runtime: engine, scheduler, model runner, models, sampling."""

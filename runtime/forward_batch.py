@@ -1,0 +1,101 @@
+"""ForwardBatch: what one model forward computes, and the per-batch context layers read it from.
+
+Tokens of a batch are flat ([num_tokens]) with no padding. Requests computing several tokens
+(prefill chunks: *extend*) come first, requests computing one token (*decode*) after them, so a
+mixed batch runs both through the same weights once. Attention metadata for each group is built
+once per batch, outside the layer loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class ForwardMode(Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+@dataclass
+class AttnGroup:
+    """Attention metadata for one group of requests.
+
+    kv_slots[b, j] is the KV slot of key j of request b (padded with slot 0); `mask`
+    is True where query may attend key. For extend, query rows are padded to q_max per
+    request and `q_rows` gives each flat token's row in the padded [B * q_max] layout.
+    """
+
+    start: int  # first flat token of the group
+    num_tokens: int
+    kv_slots: torch.Tensor  # [B, kv_max]
+    mask: torch.Tensor  # [B, 1, q_max, kv_max] bool
+    q_max: int
+    q_rows: torch.Tensor | None  # [num_tokens], extend only
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_slots: torch.Tensor  # [T] KV slots the new tokens' K/V are written to
+    extend: AttnGroup | None
+    decode: AttnGroup | None
+    logits_rows: torch.Tensor  # flat token indices whose logits are computed
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @contextlib.contextmanager
+    def active(self):
+        token = _CURRENT.set(self)
+        try:
+            yield self
+        finally:
+            _CURRENT.reset(token)
+
+
+_CURRENT: contextvars.ContextVar[ForwardBatch] = contextvars.ContextVar("plait_forward_batch")
+
+
+def current_batch() -> ForwardBatch:
+    """The batch being run; layers read positions and attention metadata from it."""
+    return _CURRENT.get()
+
+
+def build_group(
+    start: int,
+    kv_slot_rows: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_lens: torch.Tensor,
+    q_per_kv: int = 1,
+) -> AttnGroup:
+    """Build gather indices and masks for requests whose keys are kv_slot_rows[b, :kv_lens[b]]
+    and whose queries are their last q_lens[b] positions."""
+    batch = kv_lens.numel()
+    kv_max = int(kv_lens.max())
+    q_max = int(q_lens.max())
+    kv_slots = kv_slot_rows[:, :kv_max]
+    key_pos = torch.arange(kv_max)
+    if q_max == 1:
+        mask = (key_pos[None, :] < kv_lens[:, None]).view(batch, 1, 1, kv_max)
+        q_rows = None
+    else:
+        q_idx = torch.arange(q_max)
+        # query i of request b sits at absolute position kv_len - q_len + i; padded rows see key 0 only
+        q_pos = kv_lens[:, None] - q_lens[:, None] + q_idx[None, :]
+        valid_q = q_idx[None, :] < q_lens[:, None]
+        mask = key_pos[None, None, :] <= q_pos[:, :, None]
+        mask &= valid_q[:, :, None]
+        mask[:, :, 0] |= ~valid_q
+        # grouped-query heads are folded into the query axis (head-major), so repeat the mask per head
+        mask = mask.view(batch, 1, q_max, kv_max).repeat(1, 1, q_per_kv, 1)
+        q_rows = (torch.arange(batch)[:, None] * q_max + q_idx[None, :])[valid_q]
+    return AttnGroup(start, int(q_lens.sum()), kv_slots, mask, q_max, q_rows)

@@ -1,0 +1,1 @@
+"""Model building blocks: rotary embedding and paged attention."""

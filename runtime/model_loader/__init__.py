@@ -1,0 +1,72 @@
+"""Load a model: config and tokenizer via transformers, weights streamed from GGUF or safetensors."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from plait.runtime.model_config import ModelConfig
+from plait.runtime.model_loader.sources import GGUFSource, HFSource, open_source
+from plait.runtime.models import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# tensors some checkpoints carry that the runtime recomputes
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Any
+
+
+def load_model(model_path: str, dtype: torch.dtype, max_positions: int | None = None,
+               tokenizer_path: str | None = None, progress: bool = True) -> LoadedModel:
+    start = time.perf_counter()
+    source = open_source(model_path)
+    config = ModelConfig.from_hf(source.hf_config())
+    model = LlamaForCausalLM(config, dtype, max_positions or config.context_length)
+    load_weights(model, source, progress)
+    model.eval()
+    if tokenizer_path:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    else:
+        tokenizer = source.tokenizer()
+    logger.info("loaded %s (%s, %s) in %.2f s", model_path, config.model_type, dtype, time.perf_counter() - start)
+    return LoadedModel(model, config, tokenizer)
+
+
+def load_weights(model: LlamaForCausalLM, source: GGUFSource | HFSource, progress: bool = True) -> None:
+    """Copy every tensor of the source into the model; reject missing, leftover and misshapen tensors."""
+    slots = model.weight_slots()
+    filled: dict[str, bool] = {name: False for name in slots}
+    leftovers: list[str] = []
+    total = source.num_tensors()
+    for name, tensor in tqdm(source.tensors(), total=total, desc="loading weights", disable=not progress, leave=False):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if name == "lm_head.weight" and model.cfg.tie_word_embeddings and name not in slots:
+            continue  # tied checkpoints may still store a copy
+        if name not in slots:
+            leftovers.append(name)
+            continue
+        param, row = slots[name]
+        rows = tensor.shape[0]
+        dest = param.data[row : row + rows]
+        if dest.shape != tensor.shape or (param.dim() > 1 and row + rows > param.shape[0]):
+            raise ValueError(f"tensor {name}: shape {tuple(tensor.shape)} does not fit {tuple(dest.shape)}")
+        dest.copy_(tensor)
+        filled[name] = True
+    missing = [n for n, ok in filled.items() if not ok]
+    if missing or leftovers:
+        raise ValueError(f"weights do not match the model: missing {missing[:8]} leftover {leftovers[:8]}"
+                         f" ({len(missing)} missing, {len(leftovers)} leftover)")

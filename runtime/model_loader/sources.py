@@ -1,0 +1,182 @@
+"""Weight sources: a GGUF file or a HuggingFace folder, each giving a transformers config, a
+tokenizer, and a stream of (HF tensor name, tensor) pairs in HF layout."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+# GGUF tensor names -> HF names for the Llama family ({i} is the layer index)
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# llama.cpp's converter permutes Q/K rows (interleaved rotary) for these architectures only
+_GGUF_PERMUTED_ARCHS = {"llama", "mistral"}
+
+
+def gguf_to_hf_name(name: str) -> str:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
+    return name  # unknown: the strict loader reports it as a leftover tensor
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary row permutation (rows interleaved per head) back to HF layout."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class GGUFSource:
+    """A GGUF file. Metadata comes from transformers' fast GGUF reader; tensors are dequantized
+    with the `gguf` package (its own GGUFReader parses every vocabulary string as a numpy view,
+    about 4 s for this model, so the tensor table is read with transformers' reader instead)."""
+
+    def __init__(self, path: str):
+        from transformers.integrations.gguf import GgufHeader, read_gguf_metadata
+
+        self.path = path
+        self.metadata, self.tensor_names = read_gguf_metadata(path)
+        self.header = GgufHeader.from_file(path)
+        self.arch = self.metadata["general.architecture"]
+
+    def hf_config(self) -> Any:
+        from transformers import AutoConfig
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+        arch, md = self.arch, self.metadata
+        if arch not in GGUF_CONFIG_MAPPING:
+            raise ValueError(f"GGUF architecture {arch!r} is not supported")
+        kw: dict[str, Any] = {}
+        for key, hf_key in GGUF_CONFIG_MAPPING[arch].items():
+            if hf_key and f"{arch}.{key}" in md:
+                kw[hf_key] = md[f"{arch}.{key}"]
+        if f"{arch}.attention.key_length" in md:
+            kw["head_dim"] = md[f"{arch}.attention.key_length"]
+        kw.setdefault("vocab_size", md.get("tokenizer.ggml.tokens"))
+        kw["tie_word_embeddings"] = "output.weight" not in self.tensor_names
+        for tok_key, cfg_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
+            if f"tokenizer.ggml.{tok_key}" in md:
+                kw[cfg_key] = md[f"tokenizer.ggml.{tok_key}"]
+        if "rope_theta" in kw:
+            kw["rope_parameters"] = {"rope_type": "default", "rope_theta": kw.pop("rope_theta")}
+        return AutoConfig.for_model(arch, **kw)
+
+    def tokenizer(self) -> Any:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+        arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(self.path)
+        backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        import gguf
+
+        cfg_heads = (
+            self.metadata.get(f"{self.arch}.attention.head_count"),
+            self.metadata.get(f"{self.arch}.attention.head_count_kv"),
+        )
+        blob = np.memmap(self.path, dtype=np.uint8, mode="r")
+        start = self.header.data_start
+        float_types = {0: np.float32, 1: np.float16}
+
+        def load(info) -> tuple[str, torch.Tensor]:
+            raw = blob[start + info.offset : start + info.offset + info.nbytes]
+            if info.ggml_type in float_types:
+                arr = np.frombuffer(raw, dtype=float_types[info.ggml_type]).astype(np.float32)
+            elif info.ggml_type == 30:  # BF16: widen the raw 16 bits
+                arr = (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+            else:
+                arr = gguf.quants.dequantize(np.asarray(raw), gguf.GGMLQuantizationType(info.ggml_type))
+            t = torch.from_numpy(np.ascontiguousarray(arr.reshape(info.shape)))
+            name = gguf_to_hf_name(info.name)
+            if self.arch in _GGUF_PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
+                t = unpermute_qk(t, cfg_heads[0] if "q_proj" in name else cfg_heads[1])
+            return name, t
+
+        # numpy releases the GIL in dequantization: a small pool overlaps tensors
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            yield from pool.map(load, self.header.tensors)
+
+    def num_tensors(self) -> int:
+        return len(self.header.tensors)
+
+
+class HFSource:
+    """A HuggingFace model folder: config.json, tokenizer files, *.safetensors (sharded or not)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not self.files:
+            raise FileNotFoundError(f"no *.safetensors files in {path}")
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):  # only the shards the index names (folders may hold extras)
+            with open(index) as f:
+                named = set(json.load(f)["weight_map"].values())
+            self.files = [p for p in self.files if os.path.basename(p) in named]
+
+    def hf_config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path)
+
+    def tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.path)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for file in self.files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    def num_tensors(self) -> int:
+        from safetensors import safe_open
+
+        total = 0
+        for file in self.files:
+            with safe_open(file, framework="pt") as f:
+                total += len(list(f.keys()))
+        return total
+
+
+def open_source(model_path: str) -> GGUFSource | HFSource:
+    if os.path.isfile(model_path) and model_path.endswith(".gguf"):
+        return GGUFSource(model_path)
+    if os.path.isdir(model_path):
+        ggufs = glob.glob(os.path.join(model_path, "*.gguf"))
+        if not glob.glob(os.path.join(model_path, "*.safetensors")) and len(ggufs) == 1:
+            return GGUFSource(ggufs[0])
+        return HFSource(model_path)
+    raise FileNotFoundError(f"model_path {model_path!r} is neither a .gguf file nor a model folder")

@@ -1,0 +1,116 @@
+"""ModelRunner: owns the model and the KV memory, turns a list of work items into one forward."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from plait.radix_cache.memory_pool import KVAllocator, KVPool, ReqToTokenPool
+from plait.runtime.forward_batch import ForwardBatch, ForwardMode, build_group
+from plait.runtime.model_loader import load_model
+from plait.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class WorkItem:
+    """One request's share of a forward: compute tokens at positions cached_len .. cached_len+len(tokens)-1.
+    Their KV slots must already be in the request row of the req->token table."""
+
+    row: int
+    cached_len: int
+    tokens: list[int]
+    logit_offsets: list[int]  # offsets into `tokens` whose next-token logits are wanted
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, progress: bool = True):
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.args = args
+        self.dtype = _DTYPES[args.dtype]
+        loaded = load_model(args.model_path, self.dtype, args.context_length, args.tokenizer_path, progress)
+        self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.context_length = args.context_length or self.config.context_length
+        cfg = self.config
+        num_slots = args.max_total_tokens or self._auto_kv_tokens()
+        num_slots = max(num_slots, 2 * args.page_size)
+        self.kv_pool = KVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        self.allocator = KVAllocator(num_slots, args.page_size)
+        # a few spare rows: retracted and chunked requests hold rows beside the running ones
+        self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_length + 1)
+        logger.info("KV pool: %d tokens (%.0f MiB)", self.allocator.capacity, self._kv_bytes(num_slots) / 2**20)
+
+    def _kv_bytes(self, tokens: int) -> int:
+        cfg = self.config
+        return tokens * KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+
+    def _auto_kv_tokens(self) -> int:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            avail = 8 * 2**30
+        per_token = self._kv_bytes(1)
+        tokens = int(avail * self.args.mem_fraction_static) // per_token
+        # no more than every running request at full context needs
+        return max(1024, min(tokens, self.args.max_running_requests * self.context_length))
+
+    def forward(self, items: list[WorkItem]) -> torch.Tensor:
+        """Run the items as one batch; returns float32 logits, one row per requested offset,
+        in item order then offset order."""
+        fb, order = self.build_batch(items)
+        with fb.active():
+            logits = self.model(self.kv_pool)
+        # logits came out in extend-then-decode order; put them back in item order
+        return logits if order is None else logits[order]
+
+    def build_batch(self, items: list[WorkItem]) -> tuple[ForwardBatch, torch.Tensor | None]:
+        ext = [i for i, it in enumerate(items) if len(it.tokens) > 1]
+        dec = [i for i, it in enumerate(items) if len(it.tokens) == 1]
+        ordered = ext + dec
+        table = self.req_to_token.table
+        ids, pos, slots, logit_rows, item_of_row = [], [], [], [], []
+        start = 0
+        for i in ordered:
+            it = items[i]
+            n = len(it.tokens)
+            ids.extend(it.tokens)
+            pos.append(torch.arange(it.cached_len, it.cached_len + n))
+            slots.append(table[it.row, it.cached_len : it.cached_len + n])
+            logit_rows.extend(start + o for o in it.logit_offsets)
+            item_of_row.extend([i] * len(it.logit_offsets))
+            start += n
+        per_kv = self.config.num_heads // self.config.num_kv_heads
+
+        def group(indices: list[int], first: int):
+            if not indices:
+                return None
+            rows = torch.tensor([items[i].row for i in indices])
+            kv_lens = torch.tensor([items[i].cached_len + len(items[i].tokens) for i in indices])
+            q_lens = torch.tensor([len(items[i].tokens) for i in indices])
+            kv_max = int(kv_lens.max())
+            return build_group(first, table[:, :kv_max][rows], kv_lens, q_lens, per_kv)
+
+        ext_group = group(ext, 0)
+        dec_group = group(dec, ext_group.num_tokens if ext_group else 0)
+        mode = ForwardMode.MIXED if ext and dec else (ForwardMode.EXTEND if ext else ForwardMode.DECODE)
+        fb = ForwardBatch(
+            mode=mode,
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.cat(pos),
+            out_slots=torch.cat(slots),
+            extend=ext_group,
+            decode=dec_group,
+            logits_rows=torch.tensor(logit_rows, dtype=torch.int64),
+        )
+        # logits come out grouped; a stable sort by item index restores the callers' order
+        order = None
+        if ext and dec and item_of_row:
+            order = torch.argsort(torch.tensor(item_of_row), stable=True)
+        return fb, order

@@ -1,0 +1,115 @@
+"""One parametrised decoder for the Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3.
+
+Differences are config switches (qkv bias, per-head q/k norm, tied embeddings, rope scaling).
+Q/K/V and gate/up projections are fused into single matrices: fewer, larger matmuls.
+Positions and KV slots come from the active ForwardBatch, not from arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plait.radix_cache.memory_pool import KVPool
+from plait.runtime.forward_batch import current_batch
+from plait.runtime.layers.attention import paged_attention
+from plait.runtime.layers.rotary import RotaryEmbedding
+from plait.runtime.model_config import ModelConfig
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer_id = layer_id
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.eps = cfg.rms_norm_eps
+        self.scale = d**-0.5
+        self.input_norm = _param(h, dtype=dtype)
+        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, h, dtype=dtype)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if cfg.qkv_bias else None
+        self.q_norm = _param(d, dtype=dtype) if cfg.qk_norm else None
+        self.k_norm = _param(d, dtype=dtype) if cfg.qk_norm else None
+        self.o_weight = _param(h, self.q_size, dtype=dtype)
+        self.post_norm = _param(h, dtype=dtype)
+        self.gate_up_weight = _param(2 * cfg.intermediate_size, h, dtype=dtype)
+        self.down_weight = _param(h, cfg.intermediate_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, pool: KVPool) -> torch.Tensor:
+        fb = current_batch()
+        t = x.shape[0]
+        hs = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
+        qkv = F.linear(hs, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps)
+            k = F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)
+        q, k = rotary(fb.positions, q, k)
+        attn = paged_attention(fb, self.layer_id, pool, q, k, v, self.scale)
+        x = x + F.linear(attn, self.o_weight)
+        hs = F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps)
+        gate, up = F.linear(hs, self.gate_up_weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size, dtype=dtype)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions, dtype)
+
+    @torch.inference_mode()
+    def forward(self, pool: KVPool) -> torch.Tensor:
+        """Logits (float32) at the active batch's `logits_rows`."""
+        fb = current_batch()
+        x = F.embedding(fb.input_ids, self.embed)
+        for layer in self.layers:
+            x = layer(x, self.rotary, pool)
+        x = x[fb.logits_rows]
+        x = F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    def weight_slots(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """HF tensor name -> (destination parameter, row offset into it)."""
+        cfg = self.cfg
+        slots: dict[str, tuple[torch.Tensor, int]] = {
+            "model.embed_tokens.weight": (self.embed, 0),
+            "model.norm.weight": (self.norm, 0),
+        }
+        if not cfg.tie_word_embeddings:
+            slots["lm_head.weight"] = (self.lm_head, 0)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            q, kv, inter = layer.q_size, layer.kv_size, cfg.intermediate_size
+            slots.update({
+                p + "input_layernorm.weight": (layer.input_norm, 0),
+                p + "post_attention_layernorm.weight": (layer.post_norm, 0),
+                p + "self_attn.q_proj.weight": (layer.qkv_weight, 0),
+                p + "self_attn.k_proj.weight": (layer.qkv_weight, q),
+                p + "self_attn.v_proj.weight": (layer.qkv_weight, q + kv),
+                p + "self_attn.o_proj.weight": (layer.o_weight, 0),
+                p + "mlp.gate_proj.weight": (layer.gate_up_weight, 0),
+                p + "mlp.up_proj.weight": (layer.gate_up_weight, inter),
+                p + "mlp.down_proj.weight": (layer.down_weight, 0),
+            })
+            if layer.qkv_bias is not None:
+                slots[p + "self_attn.q_proj.bias"] = (layer.qkv_bias, 0)
+                slots[p + "self_attn.k_proj.bias"] = (layer.qkv_bias, q)
+                slots[p + "self_attn.v_proj.bias"] = (layer.qkv_bias, q + kv)
+            if layer.q_norm is not None:
+                slots[p + "self_attn.q_norm.weight"] = (layer.q_norm, 0)
+                slots[p + "self_attn.k_norm.weight"] = (layer.k_norm, 0)
+        return slots

