@@ -25,6 +25,8 @@ def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(torch.nn.Module):
+    """Holds the cos/sin table; `tables(positions)` gathers a batch's rows."""
+
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int, dtype: torch.dtype):
         super().__init__()
         inv_freq, scaling = rope_inv_freq(hf_config, head_dim)
@@ -34,15 +36,13 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for a batch's positions, shaped [T, 1, D] (gathered once per batch, not per layer)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] (q and k heads side by side are fine) -> rotated copy."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos + rotated * sin
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return torch.addcmul(x * cos, rotated, sin)

@@ -35,6 +35,7 @@ def load_model(model_path: str, dtype: torch.dtype, max_positions: int | None = 
     model = LlamaForCausalLM(config, dtype, max_positions or config.context_length)
     load_weights(model, source, progress)
     model.eval()
+    model.pack_weights()
     if tokenizer_path:
         from transformers import AutoTokenizer
 

@@ -14,7 +14,8 @@ from torch import nn
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.forward_batch import current_batch
 from plait.runtime.layers.attention import paged_attention
-from plait.runtime.layers.rotary import RotaryEmbedding
+from plait.runtime.layers.linear import linear, pack
+from plait.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from plait.runtime.model_config import ModelConfig
 
 
@@ -41,24 +42,24 @@ class DecoderLayer(nn.Module):
         self.gate_up_weight = _param(2 * cfg.intermediate_size, h, dtype=dtype)
         self.down_weight = _param(h, cfg.intermediate_size, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, pool: KVPool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool) -> torch.Tensor:
         fb = current_batch()
         t = x.shape[0]
         hs = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
-        qkv = F.linear(hs, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = linear(hs, self.qkv_weight, self.qkv_bias)
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps)
-            k = F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps)
-        q, k = rotary(fb.positions, q, k)
+            qk = torch.cat([F.rms_norm(qk[:, : self.num_heads], (self.head_dim,), self.q_norm, self.eps),
+                            F.rms_norm(qk[:, self.num_heads :], (self.head_dim,), self.k_norm, self.eps)], dim=1)
+        qk = apply_rotary(qk, cos, sin)  # q and k heads rotated in one pass
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         attn = paged_attention(fb, self.layer_id, pool, q, k, v, self.scale)
-        x = x + F.linear(attn, self.o_weight)
+        x = x + linear(attn, self.o_weight)
         hs = F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps)
-        gate, up = F.linear(hs, self.gate_up_weight).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = linear(hs, self.gate_up_weight).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down_weight)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -76,11 +77,25 @@ class LlamaForCausalLM(nn.Module):
         """Logits (float32) at the active batch's `logits_rows`."""
         fb = current_batch()
         x = F.embedding(fb.input_ids, self.embed)
+        cos, sin = self.rotary.tables(fb.positions)
         for layer in self.layers:
-            x = layer(x, self.rotary, pool)
+            x = layer(x, cos, sin, pool)
         x = x[fb.logits_rows]
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head).float()
+
+    def pack_weights(self) -> None:
+        """After loading: matmul weights move to the device's fastest layout (the loader's
+        parameters are replaced, so weight_slots() is no longer valid)."""
+        targets = [(self, "lm_head")] + [
+            (layer, name) for layer in self.layers for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+        ]
+        for module, name in targets:
+            w = getattr(module, name)
+            packed = pack(w.data)
+            if packed is not w.data:
+                module._parameters.pop(name, None)
+                setattr(module, name, packed)
 
     def weight_slots(self) -> dict[str, tuple[torch.Tensor, int]]:
         """HF tensor name -> (destination parameter, row offset into it)."""

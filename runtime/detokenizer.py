@@ -1,0 +1,72 @@
+"""Incremental detokenization: correct for multi-byte UTF-8 split across tokens and for stop
+strings that span tokens (text that may be the start of a stop string is held back)."""
+
+from __future__ import annotations
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDecoder:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None,
+                 no_stop_trim: bool = False, spaces_between_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.spaces = spaces_between_special_tokens
+        self.stop = list(stop or [])
+        self.no_stop_trim = no_stop_trim
+        self.ids: list[int] = []
+        self.text = ""  # decoded and safe to show
+        self._surr = 0  # tokens before this are fully reflected in self._decoded
+        self._read = 0
+        self._decoded = ""  # all text decoded so far (may include a held-back tail)
+        self._stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip,
+                                     spaces_between_special_tokens=self.spaces)
+
+    def feed(self, new_ids: list[int]) -> str:
+        """Add tokens; returns the newly visible text."""
+        self.ids.extend(new_ids)
+        if self._stopped:
+            return ""
+        # decode from a few tokens back so merges across the boundary come out right
+        prefix = self._decode(self.ids[self._surr : self._read])
+        full = self._decode(self.ids[self._surr :])
+        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
+            self._decoded += full[len(prefix) :]
+            self._surr, self._read = self._read, len(self.ids)
+        return self._visible(final=False)
+
+    def finish(self) -> str:
+        """Flush everything (incomplete bytes included) and trim at a stop string."""
+        if not self._stopped:
+            prefix = self._decode(self.ids[self._surr : self._read])
+            full = self._decode(self.ids[self._surr :])
+            self._decoded += full[len(prefix) :]
+            self._surr = self._read = len(self.ids)
+        return self._visible(final=True)
+
+    def _visible(self, final: bool) -> str:
+        text = self._decoded
+        for s in self.stop:
+            idx = text.find(s)
+            if idx != -1:
+                text = text[: idx + (len(s) if self.no_stop_trim else 0)]
+                self._stopped = True
+                final = True
+                self._decoded = text
+        if not final and self.stop:
+            # hold back a tail that could still grow into a stop string
+            hold = 0
+            for s in self.stop:
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        hold = max(hold, k)
+                        break
+            text = text[: len(text) - hold]
+        elif not final and text.endswith(_REPLACEMENT):
+            text = text.rstrip(_REPLACEMENT)
+        delta = text[len(self.text) :] if text.startswith(self.text) else ""
+        self.text = text if len(text) >= len(self.text) else self.text
+        return delta

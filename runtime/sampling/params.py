@@ -1,0 +1,81 @@
+"""SamplingParams: SGLang's sampling_params, validated (unknown keys and bad values name the field)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        """Build and validate; raises ValueError naming the offending key."""
+        d = dict(d or {})
+        known = set(cls.__struct_fields__)
+        for key in d:
+            if key not in known:
+                raise ValueError(f"unknown sampling_params key {key!r}")
+        if isinstance(d.get("stop"), str):
+            d["stop"] = [d["stop"]]
+        d = {k: v for k, v in d.items() if v is not None or k == "seed"}
+        try:
+            params = msgspec.convert(d, cls, strict=False)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"invalid sampling_params: {e}") from None
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        def bad(field: str, why: str) -> None:
+            raise ValueError(f"sampling_params.{field} {why}, got {getattr(self, field)!r}")
+
+        if self.max_new_tokens < 0:
+            bad("max_new_tokens", "must be >= 0")
+        if self.min_new_tokens < 0:
+            bad("min_new_tokens", "must be >= 0")
+        if self.min_new_tokens > self.max_new_tokens:
+            bad("min_new_tokens", f"must be <= max_new_tokens ({self.max_new_tokens})")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            bad("top_k", "must be -1 (off) or >= 1")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if any(not s for s in self.stop):
+            bad("stop", "must not contain empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative token ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0

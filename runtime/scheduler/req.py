@@ -1,0 +1,107 @@
+"""Req: one sequence in the scheduler.
+
+Lengths, named the same everywhere:
+- `cached_len`: leading tokens of `fill_ids` whose KV is in the pool (shared from the radix
+  tree or computed for this request);
+- `tree_len`: leading tokens whose KV belongs to the radix tree (locked through `last_node`);
+- `alloc_len`: tokens that have KV slots in the request's row (>= cached_len);
+- `extend_len`: tokens computed in the current forward;
+- `output_len`: generated tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from plait.runtime.io_struct import FinishReason, TokenizedGenerateReq
+from plait.runtime.sampling.params import SamplingParams
+
+
+class Req:
+    def __init__(self, msg: TokenizedGenerateReq, seed: int):
+        self.rid = msg.rid
+        self.origin_input_ids: list[int] = list(msg.input_ids)
+        self.output_ids: list[int] = []
+        self.params: SamplingParams = msg.sampling_params
+        self.return_logprob = msg.return_logprob
+        self.logprob_start_len = msg.logprob_start_len
+        self.top_logprobs_num = msg.top_logprobs_num
+        self.generator = torch.Generator().manual_seed(msg.sampling_params.seed if msg.sampling_params.seed is not None else seed)
+
+        self.row: int | None = None
+        self.last_node = None
+        self.cached_len = 0
+        self.tree_len = 0
+        self.alloc_len = 0
+        self.extend_len = 0
+        self.cached_tokens = 0  # prompt tokens served from the radix cache (reported to the user)
+        self.finish: FinishReason | None = None
+        self.arrival = time.perf_counter()
+        self.input_logprobs_done = False
+
+        # deltas not yet sent
+        self.pending_ids: list[int] = []
+        self.pending_logprobs: list[tuple[float, int]] = []
+        self.pending_top: list[list[tuple[float, int]]] = []
+        self.pending_input_logprobs: list[tuple[float | None, int]] = []
+        self.pending_input_top: list[list[tuple[float, int]] | None] = []
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.origin_input_ids)
+
+    @property
+    def pending_len(self) -> int:
+        """Tokens still to compute before the next sample (1 while decoding)."""
+        return self.seq_len - self.cached_len
+
+    def remaining_tokens(self) -> int:
+        return max(self.params.max_new_tokens - self.output_len, 0)
+
+    def input_logprob_start(self) -> int:
+        """First prompt position whose input logprob is reported, or prompt_len if none."""
+        if not self.return_logprob or self.logprob_start_len < 0 or self.input_logprobs_done:
+            return self.prompt_len
+        return min(self.logprob_start_len, self.prompt_len)
+
+    def max_prefix_match(self) -> int:
+        """Prompt logprobs need logits, so positions they read may not come from the cache."""
+        start = self.input_logprob_start()
+        if start < self.prompt_len:
+            return max(start - 1, 0)
+        return self.seq_len - 1  # at least one token must be computed to get logits
+
+    def check_finished(self, eos_ids: set[int], tokenizer, context_length: int) -> None:
+        if self.finish is not None:
+            return
+        last = self.output_ids[-1] if self.output_ids else None
+        p = self.params
+        if last is not None and self.output_len >= p.min_new_tokens:
+            if last in p.stop_token_ids or (not p.ignore_eos and last in eos_ids):
+                self.finish = FinishReason("stop", matched=last)
+                return
+            if p.stop:
+                window = max(len(s) for s in p.stop) + 4
+                tail = tokenizer.decode(self.output_ids[-window:], skip_special_tokens=p.skip_special_tokens)
+                for s in p.stop:
+                    if s in tail:
+                        self.finish = FinishReason("stop", matched=s)
+                        return
+        if self.output_len >= p.max_new_tokens:
+            self.finish = FinishReason("length", matched=None)
+        elif self.seq_len >= context_length:
+            self.finish = FinishReason("length", message="context length reached")

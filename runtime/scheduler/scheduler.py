@@ -1,0 +1,320 @@
+"""Scheduler: continuous batching around a short loop.
+
+    step: admit (radix match, budgets) -> build batch -> forward -> sample -> commit to cache -> emit
+
+Every running request decodes one token per step; waiting requests are admitted as prefill
+chunks into the same forward under a token budget (`max_prefill_tokens`, `chunked_prefill_size`).
+When KV runs out, the cache is evicted first, then the newest running requests are retracted to
+the waiting queue (their computed tokens stay cached) and resume later.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from plait.runtime.io_struct import AbortReq, FinishReason, TokenizedGenerateReq, TokenOut
+from plait.runtime.model_runner import ModelRunner, WorkItem
+from plait.runtime.sampling import SampleRow, sample
+from plait.runtime.scheduler.kv_manager import KVManager
+from plait.runtime.scheduler.policy import order_waiting
+from plait.runtime.scheduler.req import Req
+from plait.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# admission reserves this share of each request's remaining decode budget; it decays while
+# nothing is retracted and jumps back up after a retraction (SGLang's new_token_ratio)
+_RATIO_INIT, _RATIO_MIN, _RATIO_DECAY = 0.7, 0.1, 0.002
+# a waiting request sharing at least this many more tokens with one admitted in the same step
+# than with the cache waits one step, so it reuses that one's prefix instead of recomputing it
+_IN_BATCH_SHARE = 32
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, runner: ModelRunner, emit: Callable[[list[TokenOut]], None]):
+        self.args = args
+        self.runner = runner
+        self.emit = emit
+        self.tokenizer = runner.tokenizer
+        self.kv = KVManager(runner.allocator, runner.req_to_token, not args.disable_radix_cache)
+        self.context_length = runner.context_length
+        eos = set(runner.config.eos_token_ids)
+        if runner.tokenizer.eos_token_id is not None:
+            eos.add(runner.tokenizer.eos_token_id)
+        self.eos_ids = eos
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []  # admitted, holding KV (prefilling or decoding)
+        self.new_token_ratio = _RATIO_INIT
+        self._seed_counter = args.random_seed
+        self.num_retracted = 0
+        self.forward_passes = 0
+
+    # ---- requests in ----------------------------------------------------------------
+    def validate(self, msg: TokenizedGenerateReq) -> None:
+        """Raise ValueError for a request that can never run."""
+        n = len(msg.input_ids)
+        if n == 0:
+            raise ValueError("input_ids must not be empty")
+        if n >= self.context_length:
+            raise ValueError(f"prompt of {n} tokens does not fit the context length {self.context_length}")
+        if n + 1 > self.runner.allocator.capacity:
+            raise ValueError(f"prompt of {n} tokens does not fit the KV pool ({self.runner.allocator.capacity} tokens)")
+        vocab = self.runner.config.vocab_size
+        if any(t < 0 or t >= vocab for t in msg.input_ids):
+            raise ValueError(f"input_ids must be in [0, {vocab})")
+        if msg.top_logprobs_num < 0 or msg.top_logprobs_num > 20:
+            raise ValueError("top_logprobs_num must be in [0, 20]")
+
+    def add_request(self, msg: TokenizedGenerateReq) -> None:
+        self.validate(msg)
+        self._seed_counter += 1
+        self.waiting.append(Req(msg, self._seed_counter))
+
+    def abort(self, msg: AbortReq) -> None:
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == msg.rid and req.finish is None:
+                    req.finish = FinishReason("abort", message="aborted")
+        self._reap()
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # ---- the loop body --------------------------------------------------------------
+    def step(self) -> bool:
+        """Run one forward if there is work. Returns False when idle."""
+        if self.idle:
+            return False
+        decoding = self._reserve_decode()
+        prefill = self._admit(budget=self.args.max_prefill_tokens - len(decoding))
+        batch = prefill + decoding
+        if not batch:
+            self._unstick()
+            return not self.idle
+        items = [self._work_item(req, n) for req, n in batch]
+        logits = self.runner.forward(items)
+        self.forward_passes += 1
+        self._process(batch, items, logits)
+        self.new_token_ratio = max(_RATIO_MIN, self.new_token_ratio - _RATIO_DECAY)
+        return True
+
+    # ---- admission and memory --------------------------------------------------------
+    def _reserve_decode(self) -> list[tuple[Req, int]]:
+        """One slot for every decoding request, retracting the newest ones while short."""
+        decoding = [r for r in self.running if r.pending_len == 1]
+        out = []
+        while decoding:
+            req = decoding.pop(0)
+            while not self.kv.reserve(req, 1):
+                victim = self._pick_victim(exclude=req)
+                if victim is None:  # nothing left to retract: this request cannot grow
+                    req.finish = FinishReason("length", message="KV cache is full")
+                    break
+                if victim in decoding:
+                    decoding.remove(victim)
+                out = [(r, n) for r, n in out if r is not victim]
+                self._retract(victim)
+            if req.finish is None:
+                out.append((req, 1))
+        self._reap()
+        return out
+
+    def _pick_victim(self, exclude: Req) -> Req | None:
+        candidates = [r for r in self.running if r is not exclude and r.finish is None]
+        return candidates[-1] if candidates else None
+
+    def _retract(self, req: Req) -> None:
+        self.kv.release(req)  # its computed tokens stay in the cache: resuming is cheap
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+        self.num_retracted += 1
+        self.new_token_ratio = _RATIO_INIT
+        logger.debug("retracted %s at %d tokens", req.rid, req.seq_len)
+
+    def _admit(self, budget: int) -> list[tuple[Req, int]]:
+        """Prefill chunks for requests already prefilling, then for newly admitted ones."""
+        chunk_cap = self.args.chunked_prefill_size if self.args.chunked_prefill_size > 0 else 1 << 30
+        out: list[tuple[Req, int]] = []
+        for req in self.running:  # continue chunked prefills first
+            if req.pending_len > 1 and budget > 0:
+                n = min(req.pending_len, chunk_cap, budget)
+                if not self.kv.reserve(req, n):
+                    break
+                out.append((req, n))
+                budget -= n
+        if budget <= 0 or not self.waiting:
+            return out
+
+        ordered = order_waiting(self.waiting, self.args.schedule_policy, self.kv)
+        reserved = sum(min(r.remaining_tokens(), 4096) for r in self.running) * self.new_token_ratio
+        admitted: list[Req] = []
+        for req in ordered:
+            if budget <= 0 or len(self.running) >= self.args.max_running_requests:
+                break
+            if admitted and self._should_wait_for_sibling(req, admitted):
+                continue
+            cached = self.kv.match_len(req)
+            n = min(req.seq_len - cached, chunk_cap, budget)
+            future = min(req.remaining_tokens(), 4096) * self.new_token_ratio
+            if self.kv.available() - reserved < n + future and self.running:
+                break  # keep room for what running requests will still generate
+            if not self.kv.admit(req):
+                break
+            n = min(req.pending_len, chunk_cap, budget)
+            if not self.kv.reserve(req, n):
+                self.kv.release(req)
+                break
+            self.waiting.remove(req)
+            self.running.append(req)
+            admitted.append(req)
+            out.append((req, n))
+            budget -= n
+            reserved += future
+        return out
+
+    def _should_wait_for_sibling(self, req: Req, admitted: list[Req]) -> bool:
+        from plait.radix_cache.radix_cache import _common_len
+
+        cached = self.kv.match_len(req)
+        shared = max(_common_len(req.fill_ids, other.fill_ids) for other in admitted)
+        return shared - cached >= _IN_BATCH_SHARE
+
+    def _unstick(self) -> None:
+        """No batch could be formed: free memory by retracting, or fail what can never run."""
+        if len(self.running) > 1:
+            self._retract(self.running[-1])
+            return
+        req = self.running[0] if self.running else self.waiting[0]
+        req.finish = FinishReason("abort", message="request does not fit the KV cache")
+        self._reap()
+
+    # ---- forward inputs and outputs ---------------------------------------------------
+    def _work_item(self, req: Req, n: int) -> WorkItem:
+        start = req.cached_len
+        tokens = req.fill_ids[start : start + n]
+        offsets: list[int] = []
+        lp_start = req.input_logprob_start()
+        if lp_start < req.prompt_len:
+            # logits at position p score prompt token p+1
+            lo, hi = max(lp_start, 1) - 1, req.prompt_len - 1
+            offsets = [p - start for p in range(max(lo, start), min(hi, start + n))]
+        if start + n == req.seq_len:
+            offsets.append(n - 1)
+        req.extend_len = n
+        return WorkItem(req.row, start, tokens, offsets)
+
+    def _process(self, batch: list[tuple[Req, int]], items: list[WorkItem], logits: torch.Tensor) -> None:
+        to_sample: list[tuple[Req, int]] = []
+        row = 0
+        for (req, n), item in zip(batch, items):
+            nrows = len(item.logit_offsets)
+            req.cached_len += n
+            if req.input_logprob_start() < req.prompt_len:
+                self._record_input_logprobs(req, item, logits[row : row + nrows])
+            if req.cached_len == req.seq_len:
+                if req.params.max_new_tokens == 0:
+                    req.finish = FinishReason("length")  # prefill-only: the prompt is now cached
+                else:
+                    to_sample.append((req, row + nrows - 1))
+            if n > 1:
+                self.kv.cache_prefix(req)  # siblings waiting on this prefix can share it now
+            row += nrows
+        if to_sample:
+            self._sample(to_sample, logits)
+        self._reap()
+
+    def _record_input_logprobs(self, req: Req, item: WorkItem, rows: torch.Tensor) -> None:
+        start = item.cached_len
+        if start == 0 and req.input_logprob_start() == 0:
+            req.pending_input_logprobs.append((None, req.origin_input_ids[0]))  # nothing scores token 0
+            req.pending_input_top.append(None)
+        scored = [(i, start + off + 1) for i, off in enumerate(item.logit_offsets) if start + off + 1 < req.prompt_len]
+        if scored:
+            lps = torch.log_softmax(rows[[i for i, _ in scored]], dim=-1)
+            for k, (_, pos) in enumerate(scored):
+                tok = req.origin_input_ids[pos]
+                req.pending_input_logprobs.append((float(lps[k, tok]), tok))
+                top = None
+                if req.top_logprobs_num:
+                    v, ix = torch.topk(lps[k], req.top_logprobs_num)
+                    top = list(zip(v.tolist(), ix.tolist()))
+                req.pending_input_top.append(top)
+        if req.cached_len >= req.prompt_len:
+            req.input_logprobs_done = True
+
+    def _sample(self, to_sample: list[tuple[Req, int]], logits: torch.Tensor) -> None:
+        rows = []
+        for req, _ in to_sample:
+            p = req.params
+            banned = []
+            if req.output_len < p.min_new_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_ids))
+            rows.append(SampleRow(p, req.generator, req.output_ids, req.origin_input_ids, banned,
+                                  req.return_logprob, req.top_logprobs_num if req.return_logprob else 0))
+        result = sample(logits[[i for _, i in to_sample]], rows)
+        for k, (req, _) in enumerate(to_sample):
+            tok = result.next_ids[k]
+            req.output_ids.append(tok)
+            req.pending_ids.append(tok)
+            if result.logprobs is not None and req.return_logprob:
+                req.pending_logprobs.append((result.logprobs[k], tok))
+                if result.top_logprobs is not None and req.top_logprobs_num:
+                    vals, ids = result.top_logprobs[k]
+                    req.pending_top.append(list(zip(vals, ids)))
+            req.check_finished(self.eos_ids, self.tokenizer, self.context_length)
+
+    def _reap(self) -> None:
+        """Emit progress; release finished requests."""
+        outs = []
+        for req in list(self.running):
+            if req.pending_ids or req.finish is not None or req.pending_input_logprobs:
+                outs.append(self._out(req))
+            if req.finish is not None:
+                self.kv.release(req)
+                self.running.remove(req)
+        for req in [r for r in self.waiting if r.finish is not None]:
+            self.waiting.remove(req)
+            self.kv.release(req)
+            outs.append(self._out(req))
+        if outs:
+            self.emit(outs)
+
+    def _out(self, req: Req) -> TokenOut:
+        out = TokenOut(
+            rid=req.rid,
+            new_ids=req.pending_ids,
+            finish=req.finish,
+            prompt_tokens=req.prompt_len,
+            completion_tokens=req.output_len,
+            cached_tokens=req.cached_tokens,
+            output_logprobs=req.pending_logprobs,
+            output_top_logprobs=req.pending_top,
+            input_logprobs=req.pending_input_logprobs,
+            input_top_logprobs=req.pending_input_top,
+        )
+        req.pending_ids, req.pending_logprobs, req.pending_top = [], [], []
+        req.pending_input_logprobs, req.pending_input_top = [], []
+        return out
+
+    # ---- introspection --------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        return self.idle and self.kv.flush()
+
+    def stats(self) -> dict:
+        cache = self.kv.cache.stats()
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_capacity": self.runner.allocator.capacity,
+            "kv_free": self.runner.allocator.free_slots,
+            "cache_tokens": cache.total_tokens,
+            "cache_evictable": cache.evictable_tokens,
+            "cache_protected": cache.protected_tokens,
+            "cache_hit_rate": cache.hit_rate,
+            "num_retracted": self.num_retracted,
+            "forward_passes": self.forward_passes,
+        }
