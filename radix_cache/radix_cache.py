@@ -55,7 +55,7 @@ class CacheStats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
-def _common_len(a: list[int], b: list[int]) -> int:
+def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     step = 64
@@ -192,7 +192,7 @@ class RadixCache:
             child = node.children.get(self._child_key(key[pos:]))
             if child is None:
                 break
-            n = _common_len(child.key, key[pos:])
+            n = common_prefix_len(child.key, key[pos:])
             n -= n % self.page_size
             if n < len(child.key):
                 if n == 0 or not split:

@@ -35,7 +35,8 @@ class ModelRunner:
             torch.set_num_threads(args.num_threads)
         self.args = args
         self.dtype = _DTYPES[args.dtype]
-        loaded = load_model(args.model_path, self.dtype, args.context_length, args.tokenizer_path, progress)
+        loaded = load_model(args.model_path, self.dtype, args.context_length, args.tokenizer_path, progress,
+                            load_tokenizer=not args.skip_tokenizer_init)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.context_length = args.context_length or self.config.context_length
         cfg = self.config

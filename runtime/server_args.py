@@ -21,6 +21,7 @@ class ServerArgs:
         None, "HF model folder (config.json + safetensors) or a .gguf file; default: packaged SmolLM2-135M-Instruct"
     )
     tokenizer_path: str | None = _arg(None, "tokenizer folder; default: from the model")
+    skip_tokenizer_init: bool = _arg(False, "load no tokenizer (requests must give input_ids)")
     dtype: str = _arg("auto", "weight and KV dtype", ["auto", "float32", "bfloat16", "float16"])
     device: str = _arg("auto", "cpu or cuda", ["auto", "cpu", "cuda"])
     num_threads: int = _arg(0, "torch intra-op threads (0: torch's default)")

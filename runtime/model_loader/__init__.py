@@ -28,7 +28,7 @@ class LoadedModel:
 
 
 def load_model(model_path: str, dtype: torch.dtype, max_positions: int | None = None,
-               tokenizer_path: str | None = None, progress: bool = True) -> LoadedModel:
+               tokenizer_path: str | None = None, progress: bool = True, load_tokenizer: bool = True) -> LoadedModel:
     start = time.perf_counter()
     source = open_source(model_path)
     config = ModelConfig.from_hf(source.hf_config())
@@ -36,7 +36,9 @@ def load_model(model_path: str, dtype: torch.dtype, max_positions: int | None = 
     load_weights(model, source, progress)
     model.eval()
     model.pack_weights()
-    if tokenizer_path:
+    if not load_tokenizer:
+        tokenizer = None
+    elif tokenizer_path:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)

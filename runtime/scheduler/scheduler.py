@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from plait.radix_cache.radix_cache import common_prefix_len
 from plait.runtime.io_struct import AbortReq, FinishReason, TokenizedGenerateReq, TokenOut
 from plait.runtime.model_runner import ModelRunner, WorkItem
 from plait.runtime.sampling import SampleRow, sample
@@ -42,7 +43,7 @@ class Scheduler:
         self.kv = KVManager(runner.allocator, runner.req_to_token, not args.disable_radix_cache)
         self.context_length = runner.context_length
         eos = set(runner.config.eos_token_ids)
-        if runner.tokenizer.eos_token_id is not None:
+        if runner.tokenizer is not None and runner.tokenizer.eos_token_id is not None:
             eos.add(runner.tokenizer.eos_token_id)
         self.eos_ids = eos
         self.waiting: list[Req] = []
@@ -152,10 +153,11 @@ class Scheduler:
         ordered = order_waiting(self.waiting, self.args.schedule_policy, self.kv)
         reserved = sum(min(r.remaining_tokens(), 4096) for r in self.running) * self.new_token_ratio
         admitted: list[Req] = []
+        prefilling = [r for r in self.running if r.pending_len > 1]  # their prefixes reach the cache soon
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.args.max_running_requests:
                 break
-            if admitted and self._should_wait_for_sibling(req, admitted):
+            if (admitted or prefilling) and self._should_wait_for_sibling(req, admitted + prefilling):
                 continue
             cached = self.kv.match_len(req)
             n = min(req.seq_len - cached, chunk_cap, budget)
@@ -176,11 +178,9 @@ class Scheduler:
             reserved += future
         return out
 
-    def _should_wait_for_sibling(self, req: Req, admitted: list[Req]) -> bool:
-        from plait.radix_cache.radix_cache import _common_len
-
+    def _should_wait_for_sibling(self, req: Req, siblings: list[Req]) -> bool:
         cached = self.kv.match_len(req)
-        shared = max(_common_len(req.fill_ids, other.fill_ids) for other in admitted)
+        shared = max(common_prefix_len(req.fill_ids, other.fill_ids) for other in siblings)
         return shared - cached >= _IN_BATCH_SHARE
 
     def _unstick(self) -> None:

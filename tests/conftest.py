@@ -1,0 +1,45 @@
+"""Shared fixtures: one real engine on the default model, and transformers references."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+THREADS = int(os.environ.get("PLAIT_TEST_THREADS", "1"))
+torch.set_num_threads(THREADS)
+
+
+@pytest.fixture(scope="session")
+def engine():
+    from plait import Engine
+
+    eng = Engine(num_threads=THREADS, max_total_tokens=16384, dtype="float32", log_level="warning")
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(engine):
+    return engine.tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' LlamaForCausalLM with the default model's weights, loaded by transformers itself
+    from the GGUF (its own dequantization and Q/K un-permutation: an independent reference)."""
+    from transformers import AutoModelForCausalLM
+
+    from plait.runtime.server_args import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return model.eval()
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)

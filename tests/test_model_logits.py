@@ -1,0 +1,100 @@
+"""Our forward equals transformers' logits (fp32, max abs diff < 1e-3): the default model, and tiny
+random-weight configs of every supported architecture loaded from HF folders (sharded too)."""
+
+import pytest
+import torch
+
+from plait.runtime.model_runner import ModelRunner, WorkItem
+from plait.runtime.server_args import ServerArgs
+
+from conftest import THREADS
+
+TOL = 1e-3
+
+
+def _run(runner: ModelRunner, ids: list[int], chunks: list[int]) -> torch.Tensor:
+    """Logits at every position, computing the prompt in the given chunk sizes (paged prefix reuse)."""
+    row = runner.req_to_token.alloc()
+    slots = runner.allocator.alloc_extend(-1, 0, len(ids))
+    runner.req_to_token.table[row, : len(ids)] = slots
+    out, pos = [], 0
+    for n in chunks:
+        out.append(runner.forward([WorkItem(row, pos, ids[pos : pos + n], list(range(n)))]))
+        pos += n
+    runner.allocator.free(slots)
+    runner.req_to_token.free(row)
+    return torch.cat(out)
+
+
+def test_default_model_matches_transformers(engine, hf_model):
+    runner = engine.runner
+    ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. Paris is the capital of")
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0]
+    n = len(ids)
+    for chunks in ([n], [5, n - 6, 1], [1] * n):
+        ours = _run(runner, ids, chunks)
+        assert (ours - ref).abs().max().item() < TOL, chunks
+
+
+def _tiny_configs():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return {
+        "llama2": LlamaConfig(**common, tie_word_embeddings=False),
+        "llama3-rope-scaling": LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        "smollm2-tied": LlamaConfig(**common, tie_word_embeddings=True),
+        "mistral": MistralConfig(**common, sliding_window=None),
+        "qwen2-qkv-bias": Qwen2Config(**common, tie_word_embeddings=False),
+        "qwen3-qk-norm": Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),
+    }
+
+
+@pytest.mark.parametrize("name", list(_tiny_configs()))
+def test_tiny_architectures_match_transformers(name, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = _tiny_configs()[name]
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # make biases and norms non-trivial
+        for p in hf.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")  # several shards + an index
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    args = ServerArgs(model_path=str(tmp_path), dtype="float32", max_total_tokens=512, num_threads=THREADS,
+                      skip_tokenizer_init=True).resolved()
+    runner = ModelRunner(args, progress=False)
+    ids = torch.randint(0, config.vocab_size, (40,)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    for chunks in ([40], [17, 22, 1]):
+        ours = _run(runner, ids, chunks)
+        assert (ours - ref).abs().max().item() < TOL, (name, chunks)
+
+
+def test_strict_loader_rejects_missing_and_leftover_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    config = _tiny_configs()["llama2"]
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    (file,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(file)
+    args = ServerArgs(model_path=str(tmp_path), dtype="float32", max_total_tokens=512,
+                      skip_tokenizer_init=True).resolved()
+
+    tensors["model.layers.0.extra.weight"] = torch.zeros(3)
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match="leftover"):
+        ModelRunner(args, progress=False)
+
+    del tensors["model.layers.0.extra.weight"], tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, file)
+    with pytest.raises(ValueError, match="missing"):
+        ModelRunner(args, progress=False)
