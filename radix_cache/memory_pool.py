@@ -105,11 +105,15 @@ class KVPool:
         dtype: torch.dtype,
         device: str = "cpu",
         v_head_dim: int | None = None,
+        padding_slots: int = 1,
     ):
         v_dim = v_head_dim or head_dim
-        # zeros (calloc) so untouched pages of a large pool cost no resident memory
-        self.k = [torch.zeros((num_slots, num_kv_heads, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros((num_slots, num_kv_heads, v_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        # empty, not zeros: untouched parts of a large pool then cost neither time nor resident memory.
+        # Only the padding page is read before being written (masked out, but NaN * 0 is NaN): zero it.
+        self.k = [torch.empty((num_slots, num_kv_heads, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty((num_slots, num_kv_heads, v_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        for buf in self.k + self.v:
+            buf[:padding_slots].zero_()
         self.num_slots = num_slots
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

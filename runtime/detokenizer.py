@@ -22,6 +22,8 @@ class IncrementalDecoder:
         self._stopped = False
 
     def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:  # skip_tokenizer_init: ids only
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip,
                                      spaces_between_special_tokens=self.spaces)
 

@@ -167,6 +167,8 @@ class Engine:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError("prompt text needs a tokenizer (started with skip_tokenizer_init): give input_ids")
             single = isinstance(prompt, str)
             prompts = [prompt] if single else list(prompt)
             if not all(isinstance(p, str) for p in prompts):
@@ -183,6 +185,8 @@ class Engine:
             params = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_dict(sampling_params)] * len(ids_list)
+        if self.tokenizer is None and any(p.stop for p in params):
+            raise ValueError("sampling_params.stop needs a tokenizer (started with skip_tokenizer_init)")
         if logprob_start_len < -1:
             raise ValueError("logprob_start_len must be >= -1")
         msgs = [TokenizedGenerateReq(uuid.uuid4().hex, ids, p, return_logprob, logprob_start_len, top_logprobs_num,

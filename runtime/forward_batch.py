@@ -26,17 +26,21 @@ class ForwardMode(Enum):
 class AttnGroup:
     """Attention metadata for one group of requests.
 
-    kv_slots[b, j] is the KV slot of key j of request b (padded with slot 0); `mask`
-    is True where query may attend key. For extend, query rows are padded to q_max per
-    request and `q_rows` gives each flat token's row in the padded [B * q_max] layout.
+    kv_slots[b, j] is the KV slot of key j of request b (padded with slot 0); `mask` is
+    additive (0 where query may attend key, -inf elsewhere). For extend, query rows are
+    padded to q_max per request and `q_rows` gives each flat token's row in the padded
+    [B * q_max] layout. For decode batches whose requests share a cached prefix (same KV
+    slots), `prefix_slots` holds that prefix once and kv_slots/mask cover only the rest
+    (cascade attention: the prefix is read once for the whole batch, not once per request).
     """
 
     start: int  # first flat token of the group
     num_tokens: int
     kv_slots: torch.Tensor  # [B, kv_max]
-    mask: torch.Tensor  # [B, 1, q_max, kv_max] bool
+    mask: torch.Tensor  # [B, 1, q_max * q_per_kv, kv_max] float
     q_max: int
     q_rows: torch.Tensor | None  # [num_tokens], extend only
+    prefix_slots: torch.Tensor | None = None  # [P], decode only
 
 
 @dataclass
@@ -83,6 +87,14 @@ def build_group(
     kv_max = int(kv_lens.max())
     q_max = int(q_lens.max())
     kv_slots = kv_slot_rows[:, :kv_max]
+    prefix_slots = None
+    if q_max == 1 and batch >= 2:
+        shared = _shared_prefix_len(kv_slots, kv_lens)
+        if shared >= _CASCADE_MIN_PREFIX:
+            prefix_slots = kv_slots[0, :shared]
+            kv_lens = kv_lens - shared
+            kv_max -= shared
+            kv_slots = kv_slots[:, shared:]
     key_pos = torch.arange(kv_max)
     if q_max == 1:
         mask = (key_pos[None, :] < kv_lens[:, None]).view(batch, 1, 1, kv_max)
@@ -98,4 +110,15 @@ def build_group(
         # grouped-query heads are folded into the query axis (head-major), so repeat the mask per head
         mask = mask.view(batch, 1, q_max, kv_max).repeat(1, 1, q_per_kv, 1)
         q_rows = (torch.arange(batch)[:, None] * q_max + q_idx[None, :])[valid_q]
-    return AttnGroup(start, int(q_lens.sum()), kv_slots, mask, q_max, q_rows)
+    additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    return AttnGroup(start, int(q_lens.sum()), kv_slots, additive, q_max, q_rows, prefix_slots)
+
+
+# below this many shared tokens, reading the prefix per request costs less than a second attention pass
+_CASCADE_MIN_PREFIX = 64
+
+
+def _shared_prefix_len(kv_slots: torch.Tensor, kv_lens: torch.Tensor) -> int:
+    """Leading keys with the same KV slot in every row (all but each row's last key)."""
+    same = (kv_slots == kv_slots[:1]).to(torch.int32).cumprod(dim=1).sum(dim=1)
+    return int(torch.minimum(same, kv_lens - 1).min())

@@ -98,3 +98,35 @@ def test_strict_loader_rejects_missing_and_leftover_tensors(tmp_path):
     save_file(tensors, file)
     with pytest.raises(ValueError, match="missing"):
         ModelRunner(args, progress=False)
+
+
+def test_cascade_decode_over_a_shared_prefix_matches_transformers(engine, hf_model):
+    """Decode requests sharing cached prefix slots take the cascade path (prefix read once)."""
+    runner = engine.runner
+    tok = engine.tokenizer
+    prefix = tok.encode("Here is a long shared context. " * 12)
+    tails = [tok.encode(t) for t in (" First question: why", " Second one: how do", " Third")]
+    assert len(prefix) >= 64
+    p_slots = runner.allocator.alloc_extend(-1, 0, len(prefix))
+    rows, items, refs, owned = [], [], [], []
+    for tail in tails:
+        ids = prefix + tail
+        row = runner.req_to_token.alloc()
+        own = runner.allocator.alloc_extend(-1, 0, len(tail))
+        runner.req_to_token.table[row, : len(ids)] = torch.cat([p_slots, own])
+        rows.append(row)
+        owned.append(own)
+        with torch.no_grad():
+            refs.append(hf_model(torch.tensor([ids])).logits[0, -1])
+    # prefix once, then each tail's prefill but its last token, then all last tokens as one decode batch
+    runner.forward([WorkItem(rows[0], 0, prefix, [])])
+    runner.forward([WorkItem(r, len(prefix), t[:-1], []) for r, t in zip(rows, tails) if len(t) > 1])
+    batch, _ = runner.build_batch([WorkItem(r, len(prefix) + len(t) - 1, t[-1:], [0]) for r, t in zip(rows, tails)])
+    assert batch.decode.prefix_slots is not None and len(batch.decode.prefix_slots) >= len(prefix)
+    logits = runner.forward([WorkItem(r, len(prefix) + len(t) - 1, t[-1:], [0]) for r, t in zip(rows, tails)])
+    for k in range(len(tails)):
+        assert (logits[k] - refs[k]).abs().max().item() < TOL
+    for row, own in zip(rows, owned):
+        runner.allocator.free(own)
+        runner.req_to_token.free(row)
+    runner.allocator.free(p_slots)

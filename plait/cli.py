@@ -1,0 +1,63 @@
+"""`plait` command line: `plait generate` runs an offline generation demo on the runtime."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from plait.runtime.server_args import ServerArgs
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give three tips for staying focused while studying.",
+    "Explain what a CPU does in one sentence.",
+]
+
+
+def _generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="plait generate", description="offline generation on the plait engine")
+    parser.add_argument("--prompt", action="append", help="user message (repeatable); default: a few demo prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--raw", action="store_true", help="send prompts as-is instead of through the chat template")
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    from plait.runtime.engine import Engine
+
+    args = ServerArgs.from_cli_args(ns)
+    t0 = time.perf_counter()
+    engine = Engine(**{k: getattr(args, k) for k in args.__dataclass_fields__})
+    load_s = time.perf_counter() - t0
+    try:
+        questions = ns.prompt or DEMO_PROMPTS
+        tok = engine.tokenizer
+        prompts = questions if ns.raw else [
+            tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            for q in questions
+        ]
+        t1 = time.perf_counter()
+        outs = engine.generate(prompts, {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature})
+        gen_s = time.perf_counter() - t1
+        for q, o in zip(questions, outs):
+            print(f"\n>>> {q}\n{o['text'].strip()}")
+        n = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        print(f"\nmodel {engine.args.model_path} ({engine.args.dtype}) loaded in {load_s:.1f} s; "
+              f"{len(outs)} requests, {n} tokens in {gen_s:.1f} s ({n / gen_s:.1f} tok/s)")
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"generate": _generate}
+    if not argv or argv[0] not in commands:
+        print(f"usage: plait {{{','.join(commands)}}} [options]", file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
