@@ -34,6 +34,8 @@ test-slow: setup
 	PLAIT_TEST_THREADS=1 $(PY) -m pytest -q -m slow tests
 
 bench: setup
+	@# realistic prompts for the benchmarks ship in the registry data of `evals` (its dependencies are not needed)
+	$(PY) -m pip install -q --no-deps evals==3.0.1.post1
 	$(PY) benchmarks/bench_offline.py
 
 clean:

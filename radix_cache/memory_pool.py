@@ -117,8 +117,8 @@ class KVPool:
         self.num_slots = num_slots
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k.to(self.k[layer].dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.v[layer].dtype))
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

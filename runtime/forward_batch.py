@@ -32,6 +32,7 @@ class AttnGroup:
     [B * q_max] layout. For decode batches whose requests share a cached prefix (same KV
     slots), `prefix_slots` holds that prefix once and kv_slots/mask cover only the rest
     (cascade attention: the prefix is read once for the whole batch, not once per request).
+    Extend groups do the same when all their requests continue from a shared cached prefix.
     """
 
     start: int  # first flat token of the group
@@ -40,7 +41,7 @@ class AttnGroup:
     mask: torch.Tensor  # [B, 1, q_max * q_per_kv, kv_max] float
     q_max: int
     q_rows: torch.Tensor | None  # [num_tokens], extend only
-    prefix_slots: torch.Tensor | None = None  # [P], decode only
+    prefix_slots: torch.Tensor | None = None  # [P]
 
 
 @dataclass
@@ -88,8 +89,9 @@ def build_group(
     q_max = int(q_lens.max())
     kv_slots = kv_slot_rows[:, :kv_max]
     prefix_slots = None
-    if q_max == 1 and batch >= 2:
-        shared = _shared_prefix_len(kv_slots, kv_lens)
+    if batch >= 2:
+        # the prefix must precede every query of every request (no causal cut inside it)
+        shared = min(_shared_prefix_len(kv_slots, kv_lens), int((kv_lens - q_lens).min()))
         if shared >= _CASCADE_MIN_PREFIX:
             prefix_slots = kv_slots[0, :shared]
             kv_lens = kv_lens - shared

@@ -23,7 +23,7 @@ class ServerArgs:
     tokenizer_path: str | None = _arg(None, "tokenizer folder; default: from the model")
     skip_tokenizer_init: bool = _arg(False, "load no tokenizer (requests must give input_ids)")
     dtype: str = _arg("auto", "weight and KV dtype", ["auto", "float32", "bfloat16", "float16"])
-    device: str = _arg("auto", "cpu or cuda", ["auto", "cpu", "cuda"])
+    device: str = _arg("auto", "compute device (the CUDA path is not built yet: auto means cpu)", ["auto", "cpu"])
     num_threads: int = _arg(0, "torch intra-op threads (0: torch's default)")
     context_length: int | None = _arg(None, "max tokens per sequence; default: the model's")
     max_total_tokens: int | None = _arg(None, "KV pool size in tokens; default: from --mem-fraction-static")
@@ -59,14 +59,8 @@ class ServerArgs:
 
     def resolved(self) -> "ServerArgs":
         """A copy with every 'auto'/None default filled in (done once, at start-up)."""
-        import torch
-
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = self.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if device == "cuda" else _best_cpu_dtype()
+        device = "cpu" if self.device == "auto" else self.device
+        dtype = _best_cpu_dtype() if self.dtype == "auto" else self.dtype
         return dataclasses.replace(
             self, model_path=self.model_path or default_model_path(), device=device, dtype=dtype
         )

@@ -200,3 +200,4 @@ def test_disabled_radix_cache_gives_same_outputs(engine, tokenizer):
     assert [o["output_ids"] for o in outs] == [e["output_ids"] for e in expected] * 2
     assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
     assert stats["kv_free"] == stats["kv_capacity"]
+

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,21 +32,25 @@ def load_model(model_path: str, dtype: torch.dtype, max_positions: int | None = 
                tokenizer_path: str | None = None, progress: bool = True, load_tokenizer: bool = True) -> LoadedModel:
     start = time.perf_counter()
     source = open_source(model_path)
-    config = ModelConfig.from_hf(source.hf_config())
-    model = LlamaForCausalLM(config, dtype, max_positions or config.context_length)
-    load_weights(model, source, progress)
-    model.eval()
-    model.pack_weights()
-    if not load_tokenizer:
-        tokenizer = None
-    elif tokenizer_path:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    else:
-        tokenizer = source.tokenizer()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # the tokenizer builds (Python-bound) while weights dequantize (numpy, off the GIL)
+        tokenizer_future = pool.submit(_load_tokenizer, source, tokenizer_path) if load_tokenizer else None
+        config = ModelConfig.from_hf(source.hf_config())
+        model = LlamaForCausalLM(config, dtype, max_positions or config.context_length)
+        load_weights(model, source, progress)
+        model.eval()
+        model.pack_weights()
+        tokenizer = tokenizer_future.result() if tokenizer_future else None
     logger.info("loaded %s (%s, %s) in %.2f s", model_path, config.model_type, dtype, time.perf_counter() - start)
     return LoadedModel(model, config, tokenizer)
+
+
+def _load_tokenizer(source: GGUFSource | HFSource, tokenizer_path: str | None) -> Any:
+    if tokenizer_path:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(tokenizer_path)
+    return source.tokenizer()
 
 
 def load_weights(model: LlamaForCausalLM, source: GGUFSource | HFSource, progress: bool = True) -> None:
