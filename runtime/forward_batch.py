@@ -41,6 +41,7 @@ class AttnGroup:
     mask: torch.Tensor  # [B, 1, q_max * q_per_kv, kv_max] float
     q_max: int
     q_rows: torch.Tensor | None  # [num_tokens], extend only
+    kv_lens: torch.Tensor | None = None  # [B] keys per request in kv_slots
     prefix_slots: torch.Tensor | None = None  # [P]
 
 
@@ -96,7 +97,7 @@ def build_group(
             prefix_slots = kv_slots[0, :shared]
             kv_lens = kv_lens - shared
             kv_max -= shared
-            kv_slots = kv_slots[:, shared:]
+            kv_slots = kv_slots[:, shared:].contiguous()
     key_pos = torch.arange(kv_max)
     if q_max == 1:
         mask = (key_pos[None, :] < kv_lens[:, None]).view(batch, 1, 1, kv_max)
@@ -113,7 +114,7 @@ def build_group(
         mask = mask.view(batch, 1, q_max, kv_max).repeat(1, 1, q_per_kv, 1)
         q_rows = (torch.arange(batch)[:, None] * q_max + q_idx[None, :])[valid_q]
     additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
-    return AttnGroup(start, int(q_lens.sum()), kv_slots, additive, q_max, q_rows, prefix_slots)
+    return AttnGroup(start, int(q_lens.sum()), kv_slots, additive, q_max, q_rows, kv_lens, prefix_slots)
 
 
 # below this many shared tokens, reading the prefix per request costs less than a second attention pass

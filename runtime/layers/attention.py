@@ -1,8 +1,9 @@
-"""Paged attention over the KV pool in plain torch (the CPU path, and the reference for GPU kernels).
+"""Paged attention over the KV pool (CPU).
 
-Per batch, each group (extend, decode) gathers its requests' keys once per layer through
-`kv_slots` and runs one batched scaled_dot_product_attention; grouped-query heads are folded
-into the query length so K/V are never repeated per query head.
+Extend groups gather their requests' keys once per layer through `kv_slots` and run one batched
+scaled_dot_product_attention; decode groups read keys in place (plait.kernels.cpu_attention, C
+kernel with a torch reference). Grouped-query heads are folded into the query axis so K/V are
+never repeated per query head. Shared prefixes take the cascade path (read once per batch).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from plait.kernels.cpu_attention import paged_decode_attention
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.forward_batch import AttnGroup, ForwardBatch
 
@@ -65,12 +67,11 @@ def _own_keys(g: AttnGroup, pool: KVPool, layer: int, q: torch.Tensor, scale: fl
     batch = g.kv_slots.shape[0]
     num_kv = pool.k[layer].shape[1]
     per_kv = num_heads // num_kv
-    keys, values = _gather(pool, layer, g.kv_slots)
     if g.q_rows is None:  # decode: one query per request, grouped heads as the query axis
         qh = q.view(batch, num_kv, per_kv, head_dim)
-        if not with_lse:
-            return F.scaled_dot_product_attention(qh, keys, values, attn_mask=g.mask, scale=scale)
-        return _flash(qh, keys, values, g.mask, scale)
+        out, lse = paged_decode_attention(qh, pool.k[layer], pool.v[layer], g.kv_slots, g.kv_lens, scale)
+        return (out, lse) if with_lse else out
+    keys, values = _gather(pool, layer, g.kv_slots)
     q_max = g.q_max
     padded = q.new_zeros(batch * q_max, num_heads, head_dim)
     padded[g.q_rows] = q

@@ -1,0 +1,104 @@
+// Paged decode attention for CPU: each query attends to its request's keys where they lie in the
+// KV pool (slot indices), with no gather copy. One task per (request, kv head) covers that head's
+// grouped queries, so each key row is read once for all of them. Float32; threads split the tasks.
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+  const float *q, *k, *v;
+  const int64_t *slots, *lens;
+  float *out, *lse;
+  int64_t heads, groups, dim, vdim, max_len, k_row, v_row;
+  float scale;
+  int64_t begin, end;
+} Task;
+
+static void run(const Task *t) {
+  const int64_t G = t->groups, D = t->dim, Dv = t->vdim, L = t->max_len;
+  float *scores = (float *)malloc(sizeof(float) * (size_t)(G * (L > 0 ? L : 1)));
+  float *maxs = (float *)malloc(sizeof(float) * (size_t)G);
+  float *sums = (float *)malloc(sizeof(float) * (size_t)G);
+  for (int64_t bh = t->begin; bh < t->end; ++bh) {
+    const int64_t b = bh / t->heads, h = bh % t->heads;
+    const int64_t n = t->lens[b];
+    const int64_t *sl = t->slots + b * L;
+    const float *qb = t->q + bh * G * D;
+    for (int64_t g = 0; g < G; ++g) maxs[g] = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      const float *kr = t->k + sl[j] * t->k_row + h * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float *qg = qb + g * D;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += qg[d] * kr[d];
+        s *= t->scale;
+        scores[g * L + j] = s;
+        if (s > maxs[g]) maxs[g] = s;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = expf(scores[g * L + j] - maxs[g]);
+        scores[g * L + j] = p;
+        sum += p;
+      }
+      sums[g] = sum;
+    }
+    float *ob = t->out + bh * G * Dv;
+    memset(ob, 0, sizeof(float) * (size_t)(G * Dv));
+    for (int64_t j = 0; j < n; ++j) {
+      const float *vr = t->v + sl[j] * t->v_row + h * Dv;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g * L + j];
+        float *o = ob + g * Dv;
+#pragma omp simd
+        for (int64_t d = 0; d < Dv; ++d) o[d] += p * vr[d];
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float inv = 1.f / sums[g];
+      float *o = ob + g * Dv;
+      for (int64_t d = 0; d < Dv; ++d) o[d] *= inv;
+      t->lse[bh * G + g] = maxs[g] + logf(sums[g]);
+    }
+  }
+  free(scores);
+  free(maxs);
+  free(sums);
+}
+
+static void *worker(void *arg) {
+  run((const Task *)arg);
+  return NULL;
+}
+
+// q [B, H, G, D]; k [S, H, D] and v [S, H, Dv] (rows k_row / v_row floats apart); slots [B, L];
+// lens [B] (>= 1 each); out [B, H, G, Dv]; lse [B, H, G].
+void paged_decode_attention(const float *q, const float *k, const float *v, const int64_t *slots,
+                            const int64_t *lens, float *out, float *lse, int64_t batch, int64_t heads,
+                            int64_t groups, int64_t dim, int64_t vdim, int64_t max_len, int64_t k_row,
+                            int64_t v_row, float scale, int threads) {
+  const int64_t tasks = batch * heads;
+  if (threads < 1) threads = 1;
+  if (threads > tasks) threads = (int)tasks;
+  if (threads > 64) threads = 64;
+  Task parts[64];
+  pthread_t ids[64];
+  for (int i = 0; i < threads; ++i) {
+    Task t = {q, k, v, slots, lens, out, lse, heads, groups, dim, vdim, max_len, k_row, v_row, scale,
+              tasks * i / threads, tasks * (i + 1) / threads};
+    parts[i] = t;
+  }
+  int started = 1;
+  for (int i = 1; i < threads; ++i) {
+    if (pthread_create(&ids[i], NULL, worker, &parts[i]) != 0) break;
+    started = i + 1;
+  }
+  run(&parts[0]);
+  for (int i = started; i < threads; ++i) run(&parts[i]);  // threads that failed to start
+  for (int i = 1; i < started; ++i) pthread_join(ids[i], NULL);
+}
