@@ -55,8 +55,8 @@ class _ReqState:
         if out.finish is not None:
             self.finish = out.finish
             self.decoder.finish()
-        snapshot = self.result()
         if self.msg.stream:
+            snapshot = self.result()
             self.events.put(snapshot)
             if self.async_sink is not None:
                 loop, q = self.async_sink

@@ -30,7 +30,8 @@ class ModelConfig:
     qk_norm: bool
     context_length: int
     eos_token_ids: tuple[int, ...]
-    hf_config: Any  # transformers PretrainedConfig (rope parameters, for the rope init functions)
+    rope_theta: float
+    hf_config: Any = None  # transformers config where there is one (scaled-rope variants read it)
 
     @classmethod
     def from_hf(cls, hf: Any) -> "ModelConfig":
@@ -43,6 +44,7 @@ class ModelConfig:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         eos = hf.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        rope = getattr(hf, "rope_parameters", None) or {}
         return cls(
             model_type=mt,
             vocab_size=hf.vocab_size,
@@ -58,5 +60,40 @@ class ModelConfig:
             qk_norm=qk_norm,
             context_length=getattr(hf, "max_position_embeddings", 4096),
             eos_token_ids=eos_ids,
+            rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
             hf_config=hf,
+        )
+
+    @classmethod
+    def from_gguf(cls, metadata: dict, tensor_names: tuple[str, ...]) -> "ModelConfig":
+        """From GGUF metadata directly: building a transformers config would import ~2 s of modules."""
+        arch = metadata["general.architecture"]
+        if arch not in LLAMA_FAMILY:
+            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(LLAMA_FAMILY)}")
+        if metadata.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
+            raise ValueError(f"GGUF rope scaling {metadata[f'{arch}.rope.scaling.type']!r} is not supported; "
+                             "load the HF folder instead")
+
+        def get(key: str, default: Any = None) -> Any:
+            return metadata.get(f"{arch}.{key}", default)
+
+        qkv_bias, qk_norm = LLAMA_FAMILY[arch]
+        hidden, heads = get("embedding_length"), get("attention.head_count")
+        eos = metadata.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            model_type=arch,
+            vocab_size=get("vocab_size") or metadata["tokenizer.ggml.tokens"],
+            hidden_size=hidden,
+            num_layers=get("block_count"),
+            num_heads=heads,
+            num_kv_heads=get("attention.head_count_kv") or heads,
+            head_dim=get("attention.key_length") or hidden // heads,
+            intermediate_size=get("feed_forward_length"),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            qkv_bias=qkv_bias or "blk.0.attn_q.bias" in tensor_names,
+            qk_norm=qk_norm,
+            context_length=get("context_length", 4096),
+            eos_token_ids=(eos,) if eos is not None else (),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
         )

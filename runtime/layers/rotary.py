@@ -7,14 +7,13 @@ from typing import Any
 import torch
 
 
-def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(hf_config: Any, head_dim: int, rope_theta: float) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling; scaled variants (llama3, yarn, linear, ...)
     come from transformers' rope init functions so they match the reference exactly."""
     params = getattr(hf_config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
-        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        inv = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         return inv.float(), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -27,9 +26,9 @@ def rope_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(torch.nn.Module):
     """Holds the cos/sin table; `tables(positions)` gathers a batch's rows."""
 
-    def __init__(self, hf_config: Any, head_dim: int, max_positions: int, dtype: torch.dtype):
+    def __init__(self, hf_config: Any, head_dim: int, rope_theta: float, max_positions: int, dtype: torch.dtype):
         super().__init__()
-        inv_freq, scaling = rope_inv_freq(hf_config, head_dim)
+        inv_freq, scaling = rope_inv_freq(hf_config, head_dim, rope_theta)
         # HF computes angles as float32 products; do the same so logits match to ~1e-6
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)

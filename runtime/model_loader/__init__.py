@@ -32,10 +32,10 @@ def load_model(model_path: str, dtype: torch.dtype, max_positions: int | None = 
                tokenizer_path: str | None = None, progress: bool = True, load_tokenizer: bool = True) -> LoadedModel:
     start = time.perf_counter()
     source = open_source(model_path)
+    config = source.model_config()
     with ThreadPoolExecutor(max_workers=1) as pool:
-        # the tokenizer builds (Python-bound) while weights dequantize (numpy, off the GIL)
+        # the tokenizer builds (Python-bound) while weights dequantize and pack (numpy/oneDNN, off the GIL)
         tokenizer_future = pool.submit(_load_tokenizer, source, tokenizer_path) if load_tokenizer else None
-        config = ModelConfig.from_hf(source.hf_config())
         model = LlamaForCausalLM(config, dtype, max_positions or config.context_length)
         load_weights(model, source, progress)
         model.eval()

@@ -12,6 +12,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from plait.runtime.model_config import ModelConfig
+
 # GGUF tensor names -> HF names for the Llama family ({i} is the layer index)
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -66,27 +68,8 @@ class GGUFSource:
         self.header = GgufHeader.from_file(path)
         self.arch = self.metadata["general.architecture"]
 
-    def hf_config(self) -> Any:
-        from transformers import AutoConfig
-        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-
-        arch, md = self.arch, self.metadata
-        if arch not in GGUF_CONFIG_MAPPING:
-            raise ValueError(f"GGUF architecture {arch!r} is not supported")
-        kw: dict[str, Any] = {}
-        for key, hf_key in GGUF_CONFIG_MAPPING[arch].items():
-            if hf_key and f"{arch}.{key}" in md:
-                kw[hf_key] = md[f"{arch}.{key}"]
-        if f"{arch}.attention.key_length" in md:
-            kw["head_dim"] = md[f"{arch}.attention.key_length"]
-        kw.setdefault("vocab_size", md.get("tokenizer.ggml.tokens"))
-        kw["tie_word_embeddings"] = "output.weight" not in self.tensor_names
-        for tok_key, cfg_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
-            if f"tokenizer.ggml.{tok_key}" in md:
-                kw[cfg_key] = md[f"tokenizer.ggml.{tok_key}"]
-        if "rope_theta" in kw:
-            kw["rope_parameters"] = {"rope_type": "default", "rope_theta": kw.pop("rope_theta")}
-        return AutoConfig.for_model(arch, **kw)
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_gguf(self.metadata, self.tensor_names)
 
     def tokenizer(self) -> Any:
         from transformers import PreTrainedTokenizerFast
@@ -143,10 +126,10 @@ class HFSource:
                 named = set(json.load(f)["weight_map"].values())
             self.files = [p for p in self.files if os.path.basename(p) in named]
 
-    def hf_config(self) -> Any:
+    def model_config(self) -> ModelConfig:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(self.path)
+        return ModelConfig.from_hf(AutoConfig.from_pretrained(self.path))
 
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer

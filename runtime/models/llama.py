@@ -70,7 +70,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions, dtype)
+        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.rope_theta, max_positions, dtype)
 
     @torch.inference_mode()
     def forward(self, pool: KVPool) -> torch.Tensor:

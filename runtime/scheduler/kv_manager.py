@@ -41,7 +41,8 @@ class KVManager:
         self.cache.lock(match.node)
         req.row, req.last_node = row, match.node
         req.cached_len = req.tree_len = req.alloc_len = m
-        req.cached_tokens += min(m, req.prompt_len)
+        if req.cached_tokens < 0:  # first admission: report the prompt's cache hit (not a resume's)
+            req.cached_tokens = min(m, req.prompt_len)
         return True
 
     def reserve(self, req: Req, n: int) -> bool:

@@ -36,7 +36,7 @@ class Req:
         self.tree_len = 0
         self.alloc_len = 0
         self.extend_len = 0
-        self.cached_tokens = 0  # prompt tokens served from the radix cache (reported to the user)
+        self.cached_tokens = -1  # prompt tokens served from the radix cache at admission; -1 until admitted
         self.finish: FinishReason | None = None
         self.arrival = time.perf_counter()
         self.input_logprobs_done = False

@@ -290,7 +290,7 @@ class Scheduler:
             finish=req.finish,
             prompt_tokens=req.prompt_len,
             completion_tokens=req.output_len,
-            cached_tokens=req.cached_tokens,
+            cached_tokens=max(req.cached_tokens, 0),
             output_logprobs=req.pending_logprobs,
             output_top_logprobs=req.pending_top,
             input_logprobs=req.pending_input_logprobs,
