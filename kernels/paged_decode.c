@@ -6,6 +6,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 typedef struct {
   const float *q, *k, *v;
@@ -22,6 +25,15 @@ static inline void prefetch_row(const float *row, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(row + i, 0, 1);
 }
 
+#ifdef __AVX2__
+static inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+#endif
+
 static void run(const Task *t) {
   const int64_t G = t->groups, D = t->dim, Dv = t->vdim, L = t->max_len;
   float *scores = (float *)malloc(sizeof(float) * (size_t)(G * (L > 0 ? L : 1)));
@@ -36,6 +48,22 @@ static void run(const Task *t) {
     for (int64_t j = 0; j < n; ++j) {
       const float *kr = t->k + sl[j] * t->k_row + h * D;
       if (j + PREFETCH < n) prefetch_row(t->k + sl[j + PREFETCH] * t->k_row + h * D, D);
+#ifdef __AVX2__
+      if (D % 8 == 0 && G <= 8) {  // the key row is loaded once for all G queries, G independent FMA chains
+        __m256 acc[8];
+        for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 kv = _mm256_loadu_ps(kr + d);
+          for (int64_t g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qb + g * D + d), kv, acc[g]);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const float s = hsum(acc[g]) * t->scale;
+          scores[g * L + j] = s;
+          if (s > maxs[g]) maxs[g] = s;
+        }
+        continue;
+      }
+#endif
       for (int64_t g = 0; g < G; ++g) {
         const float *qg = qb + g * D;
         float s = 0.f;
