@@ -34,16 +34,27 @@ def paged_decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: to
     """q [B, H, G, D] (G query heads per kv head); k_pool [S, H, D], v_pool [S, H, Dv];
     slots [B, L] (request b's keys are slots[b, :lens[b]]). Returns out [B, H, G, Dv] and the
     log-sum-exp of each query's scores [B, H, G]."""
-    batch, heads, _, dim = q.shape
-    length = slots.shape[1]
-    flat = slots.reshape(-1)
-    k = k_pool.index_select(0, flat).view(batch, length, heads, dim).transpose(1, 2)
-    v = v_pool.index_select(0, flat).view(batch, length, heads, -1).transpose(1, 2)
+    batch, length = slots.shape
+    k, v = gather_kv(k_pool, v_pool, slots)
     mask = torch.zeros(batch, 1, 1, length, dtype=q.dtype)
     mask.masked_fill_((torch.arange(length)[None, :] >= lens[:, None]).view(batch, 1, 1, length), float("-inf"))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
-                                                                          scale=scale)
-    return out, lse
+    return attention_with_lse(q, k, v, mask, scale)
+
+
+def gather_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of slots [B, L] as [B, H, L, D] (index_select on a flat index: much faster than 2-D indexing)."""
+    batch, length = slots.shape
+    flat = slots.reshape(-1)
+    k = k_pool.index_select(0, flat).view(batch, length, *k_pool.shape[1:]).transpose(1, 2)
+    v = v_pool.index_select(0, flat).view(batch, length, *v_pool.shape[1:]).transpose(1, 2)
+    return k, v
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA that also returns the log-sum-exp of each query's scores (to merge partial attentions)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                      scale=scale)
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

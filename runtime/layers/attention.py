@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from plait.kernels.cpu_attention import paged_decode_attention
+from plait.kernels.cpu_attention import attention_with_lse, gather_kv, paged_decode_attention
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.forward_batch import AttnGroup, ForwardBatch
 
@@ -51,15 +51,6 @@ def _group_attention(
     return (out_s + w * (out_p - out_s)).reshape(num_tokens, num_heads * head_dim)
 
 
-def _gather(pool: KVPool, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V of slots [B, L] as [B, Hkv, L, D] (index_select on a flat index: much faster than 2-D indexing)."""
-    batch, length = slots.shape
-    flat = slots.reshape(-1)
-    k = pool.k[layer].index_select(0, flat).view(batch, length, *pool.k[layer].shape[1:]).transpose(1, 2)
-    v = pool.v[layer].index_select(0, flat).view(batch, length, *pool.v[layer].shape[1:]).transpose(1, 2)
-    return k, v
-
-
 def _own_keys(g: AttnGroup, pool: KVPool, layer: int, q: torch.Tensor, scale: float, with_lse: bool):
     """Each request's queries against its keys in g.kv_slots. Returns out [T, Hkv, G, D]
     (and lse [T, Hkv, G] when with_lse)."""
@@ -71,14 +62,14 @@ def _own_keys(g: AttnGroup, pool: KVPool, layer: int, q: torch.Tensor, scale: fl
         qh = q.view(batch, num_kv, per_kv, head_dim)
         out, lse = paged_decode_attention(qh, pool.k[layer], pool.v[layer], g.kv_slots, g.kv_lens, scale)
         return (out, lse) if with_lse else out
-    keys, values = _gather(pool, layer, g.kv_slots)
+    keys, values = gather_kv(pool.k[layer], pool.v[layer], g.kv_slots)
     q_max = g.q_max
     padded = q.new_zeros(batch * q_max, num_heads, head_dim)
     padded[g.q_rows] = q
     qh = padded.view(batch, q_max, num_kv, per_kv, head_dim).permute(0, 2, 3, 1, 4)
     qh = qh.reshape(batch, num_kv, per_kv * q_max, head_dim)
     if with_lse:
-        o, lse = _flash(qh, keys, values, g.mask, scale)
+        o, lse = attention_with_lse(qh, keys, values, g.mask, scale)
         lse = lse.view(batch, num_kv, per_kv, q_max).permute(0, 3, 1, 2).reshape(batch * q_max, num_kv, per_kv)
     else:
         o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=g.mask, scale=scale)
@@ -96,12 +87,6 @@ def _shared_prefix(g: AttnGroup, pool: KVPool, layer: int, q: torch.Tensor, scal
     kp = pool.k[layer].index_select(0, g.prefix_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, P, D]
     vp = pool.v[layer].index_select(0, g.prefix_slots).transpose(0, 1).unsqueeze(0)
     qp = q.view(num_tokens, num_kv, per_kv, head_dim).permute(1, 0, 2, 3).reshape(1, num_kv, -1, head_dim)
-    out, lse = _flash(qp, kp, vp, None, scale)
+    out, lse = attention_with_lse(qp, kp, vp, None, scale)
     out = out.view(num_kv, num_tokens, per_kv, head_dim).permute(1, 0, 2, 3)
     return out, lse.view(num_kv, num_tokens, per_kv).permute(1, 0, 2)
-
-
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float):
-    """SDPA that also returns the log-sum-exp of each query's scores (to merge partial attentions)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
-                                                                      scale=scale)

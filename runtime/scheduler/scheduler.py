@@ -157,9 +157,9 @@ class Scheduler:
         for req in ordered:
             if budget <= 0 or len(self.running) >= self.args.max_running_requests:
                 break
-            if (admitted or prefilling) and self._should_wait_for_sibling(req, admitted + prefilling):
-                continue
             cached = self.kv.match_len(req)
+            if (admitted or prefilling) and self._should_wait_for_sibling(req, cached, admitted + prefilling):
+                continue
             n = min(req.seq_len - cached, chunk_cap, budget)
             future = min(req.remaining_tokens(), 4096) * self.new_token_ratio
             if self.kv.available() - reserved < n + future and self.running:
@@ -178,8 +178,7 @@ class Scheduler:
             reserved += future
         return out
 
-    def _should_wait_for_sibling(self, req: Req, siblings: list[Req]) -> bool:
-        cached = self.kv.match_len(req)
+    def _should_wait_for_sibling(self, req: Req, cached: int, siblings: list[Req]) -> bool:
         shared = max(common_prefix_len(req.fill_ids, other.fill_ids) for other in siblings)
         return shared - cached >= _IN_BATCH_SHARE
 
