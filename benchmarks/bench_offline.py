@@ -105,7 +105,7 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")
-    for _ in range(5):
+    for _ in range(3):
         t = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
@@ -119,9 +119,8 @@ def model_bytes(engine) -> int:
     for layer in m.layers:
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
             w = getattr(layer, name)
-            total += w.numel() * 4 if w.is_mkldnn else w.numel() * w.element_size()
-    lm = m.lm_head
-    total += lm.numel() * (4 if lm.is_mkldnn else lm.element_size())
+            total += w.numel() * w.element_size()
+    total += m.lm_head.numel() * m.lm_head.element_size()
     return total
 
 
@@ -186,10 +185,15 @@ def main() -> None:
         prompt = tok.apply_chat_template([{"role": "user", "content": "Tell me a long story about a dragon."}],
                                          tokenize=False, add_generation_prompt=True)
         run_plait(engine, [prompt], 8)
-        # best of 3 decode runs against best of 5 copies: the same statistic on both sides of the ratio
-        tps = max(n / el for el, n, _ in (run_plait(engine, [prompt], 128) for _ in range(3)))
-        bw = copy_bandwidth()
         mb = model_bytes(engine)
+        # the machine is shared and its bandwidth drifts: each round measures the copy bandwidth right
+        # before a decode run, and the median round is reported
+        rounds = []
+        for _ in range(5):
+            bw = copy_bandwidth()
+            el, n, _ = run_plait(engine, [prompt], 128)
+            rounds.append((n / el / (bw / mb), n / el, bw))
+        _, tps, bw = sorted(rounds)[len(rounds) // 2]
         bound = bw / mb
         row = [f"(c) batch-1 decode, 128 tokens ({mb / 2**20:.0f} MiB of weights/token, copy bw {bw / 1e9:.1f} GB/s)",
                f"{tps:.1f} tok/s", f"bound {bound:.1f} tok/s", f"{100 * tps / bound:.0f}% of bound"]

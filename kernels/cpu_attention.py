@@ -1,5 +1,5 @@
-"""Paged decode attention on CPU: a small C kernel (compiled with the system C compiler on first
-use, cached per source and machine) beside its plain-torch reference with the same signature.
+"""Paged decode attention on CPU: a small C kernel (see cpu_build) beside its plain-torch
+reference with the same signature.
 
 The reference gathers every request's keys into a padded copy before attending; at 64 requests
 x 300 tokens that copy moves ~1 GB per decode step and takes most of it. The kernel reads keys in
@@ -10,22 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from plait.kernels.cpu_build import load_library
 
-_SOURCE = Path(__file__).with_name("paged_decode.c")
-# compiled on the machine that runs it, so -march=native is the right target
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC"]
-_MIN_ROWS_PER_THREAD = 16384
+_MIN_ROWS_PER_THREAD = 2048
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -71,8 +61,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     lens = lens.contiguous()
     batch, heads, groups, dim = q.shape
     vdim = v_pool.shape[2]
-    # a second thread pays off only for enough work: spawning one costs tens of microseconds, and it
-    # competes with torch's OpenMP workers, which spin for a while after each op
+    # a second thread pays off only for enough work (waking one costs a few microseconds)
     threads = torch.get_num_threads() if batch * heads * slots.shape[1] >= _MIN_ROWS_PER_THREAD else 1
     out = torch.empty(batch, heads, groups, vdim, dtype=q.dtype)
     lse = torch.empty(batch, heads, groups, dtype=q.dtype)
@@ -86,34 +75,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("PLAIT_DISABLE_C_KERNELS"):
-        return None
-    try:
-        path = _build()
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        logger.warning("C attention kernel unavailable (%s); using the torch reference", e)
-        return None
-    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.paged_decode_attention.argtypes = [p] * 7 + [i64] * 8 + [f32, ctypes.c_int]
-    lib.paged_decode_attention.restype = None
+    lib = load_library("paged_decode")
+    if lib is not None:
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        lib.paged_decode_attention.argtypes = [p] * 7 + [i64] * 8 + [f32, ctypes.c_int]
+        lib.paged_decode_attention.restype = None
     return lib
-
-
-def _build() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise RuntimeError("no C compiler found")
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join([compiler, *_FLAGS, os.uname().machine]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "plait" / "kernels"
-    target = cache / f"paged_decode-{digest}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        out = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(out), "-lpthread", "-lm"], check=True,
-                       capture_output=True, timeout=120)
-        os.replace(out, target)  # atomic: concurrent builders never see a partial file
-    return target

@@ -2,7 +2,7 @@
 // KV pool (slot indices), with no gather copy. One task per (request, kv head) covers that head's
 // grouped queries, so each key row is read once for all of them. Float32; threads split the tasks.
 #include <math.h>
-#include <pthread.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -107,11 +107,6 @@ static void run(const Task *t) {
   free(sums);
 }
 
-static void *worker(void *arg) {
-  run((const Task *)arg);
-  return NULL;
-}
-
 // q [B, H, G, D]; k [S, H, D] and v [S, H, Dv] (rows k_row / v_row floats apart); slots [B, L];
 // lens [B] (>= 1 each); out [B, H, G, Dv]; lse [B, H, G].
 void paged_decode_attention(const float *q, const float *k, const float *v, const int64_t *slots,
@@ -121,20 +116,12 @@ void paged_decode_attention(const float *q, const float *k, const float *v, cons
   const int64_t tasks = batch * heads;
   if (threads < 1) threads = 1;
   if (threads > tasks) threads = (int)tasks;
-  if (threads > 64) threads = 64;
-  Task parts[64];
-  pthread_t ids[64];
-  for (int i = 0; i < threads; ++i) {
+  // torch's OpenMP runtime (same soname, already loaded): its threads, not new ones per call
+#pragma omp parallel num_threads(threads)
+  {
+    const int parts = omp_get_num_threads(), part = omp_get_thread_num();
     Task t = {q, k, v, slots, lens, out, lse, heads, groups, dim, vdim, max_len, k_row, v_row, scale,
-              tasks * i / threads, tasks * (i + 1) / threads};
-    parts[i] = t;
+              tasks * part / parts, tasks * (part + 1) / parts};
+    run(&t);
   }
-  int started = 1;
-  for (int i = 1; i < threads; ++i) {
-    if (pthread_create(&ids[i], NULL, worker, &parts[i]) != 0) break;
-    started = i + 1;
-  }
-  run(&parts[0]);
-  for (int i = started; i < threads; ++i) run(&parts[i]);  // threads that failed to start
-  for (int i = 1; i < started; ++i) pthread_join(ids[i], NULL);
 }

@@ -34,18 +34,22 @@ def load_model(model_path: str, dtype: torch.dtype, max_positions: int | None = 
     source = open_source(model_path)
     config = source.model_config()
     with ThreadPoolExecutor(max_workers=1) as pool:
-        # the tokenizer builds (Python-bound) while weights dequantize and pack (numpy/oneDNN, off the GIL)
+        # the tokenizer builds (Python-bound) while weights dequantize (numpy, off the GIL)
         tokenizer_future = pool.submit(_load_tokenizer, source, tokenizer_path) if load_tokenizer else None
         model = LlamaForCausalLM(config, dtype, max_positions or config.context_length)
         load_weights(model, source, progress)
         model.eval()
-        model.pack_weights()
         tokenizer = tokenizer_future.result() if tokenizer_future else None
     logger.info("loaded %s (%s, %s) in %.2f s", model_path, config.model_type, dtype, time.perf_counter() - start)
     return LoadedModel(model, config, tokenizer)
 
 
-def _load_tokenizer(source: GGUFSource | HFSource, tokenizer_path: str | None) -> Any:
+def load_tokenizer(model_path: str, tokenizer_path: str | None = None) -> Any:
+    """The tokenizer alone (for the processes that detokenize and tokenize)."""
+    return _load_tokenizer(None if tokenizer_path else open_source(model_path), tokenizer_path)
+
+
+def _load_tokenizer(source: GGUFSource | HFSource | None, tokenizer_path: str | None) -> Any:
     if tokenizer_path:
         from transformers import AutoTokenizer
 

@@ -14,7 +14,7 @@ from torch import nn
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.forward_batch import current_batch
 from plait.runtime.layers.attention import paged_attention
-from plait.runtime.layers.linear import linear, pack
+from plait.runtime.layers.linear import linear
 from plait.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from plait.runtime.model_config import ModelConfig
 
@@ -83,19 +83,6 @@ class LlamaForCausalLM(nn.Module):
         x = x[fb.logits_rows]
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
         return linear(x, self.lm_head).float()
-
-    def pack_weights(self) -> None:
-        """After loading: matmul weights move to the device's fastest layout (the loader's
-        parameters are replaced, so weight_slots() is no longer valid)."""
-        targets = [(self, "lm_head")] + [
-            (layer, name) for layer in self.layers for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
-        ]
-        for module, name in targets:
-            w = getattr(module, name)
-            packed = pack(w.data)
-            if packed is not w.data:
-                module._parameters.pop(name, None)
-                setattr(module, name, packed)
 
     def weight_slots(self) -> dict[str, tuple[torch.Tensor, int]]:
         """HF tensor name -> (destination parameter, row offset into it)."""
