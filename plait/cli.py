@@ -1,4 +1,4 @@
-"""`plait` command line: `plait generate` runs an offline generation demo on the runtime."""
+"""`plait` command line: `plait serve` runs the HTTP server; `plait generate` an offline demo."""
 
 from __future__ import annotations
 
@@ -52,7 +52,9 @@ def _generate(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"generate": _generate}
+    from plait.launch_server import main as serve
+
+    commands = {"serve": serve, "generate": _generate}
     if not argv or argv[0] not in commands:
         print(f"usage: plait {{{','.join(commands)}}} [options]", file=sys.stderr)
         return 2

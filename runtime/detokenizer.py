@@ -72,3 +72,63 @@ class IncrementalDecoder:
         delta = text[len(self.text) :] if text.startswith(self.text) else ""
         self.text = text if len(text) >= len(self.text) else self.text
         return delta
+
+
+# ---- the detokenizer process ----------------------------------------------------------------
+def run_detokenizer_process(args, addrs, ready) -> None:
+    """Process entry point: ids from the scheduler in, text deltas to the client out. Control
+    replies and stats pass through unchanged."""
+    import logging
+    import os
+    import traceback
+
+    import zmq
+
+    from plait.runtime.io_struct import BatchStrOut, BatchTokenOut, StrOut, ToDetokenizer
+    from plait.runtime.ipc import Receiver, Sender, die_with_parent, parent_alive
+
+    die_with_parent()
+    ppid = os.getppid()
+    logging.basicConfig(level=args.log_level.upper(), format="[plait detokenizer %(asctime)s] %(message)s")
+    try:
+        tokenizer = None
+        if not args.skip_tokenizer_init:
+            from plait.runtime.model_loader import load_tokenizer
+
+            tokenizer = load_tokenizer(args.model_path, args.tokenizer_path)
+        ctx = zmq.Context()
+        inbox = Receiver(ctx, addrs.detokenizer, ToDetokenizer)
+        out = Sender(ctx, addrs.client)
+        ready.send({"ok": True})
+    except BaseException:
+        ready.send({"ok": False, "error": traceback.format_exc()})
+        raise
+    finally:
+        ready.close()
+
+    decoders: dict[str, IncrementalDecoder] = {}
+    while True:
+        if not inbox.poll(1000):
+            if not parent_alive(ppid):
+                return
+            continue
+        msg = inbox.recv()
+        if not isinstance(msg, BatchTokenOut):
+            out.send(msg)
+            continue
+        outs = []
+        for o in msg.outs:
+            dec = decoders.get(o.rid)
+            if dec is None:
+                spec = o.decode
+                dec = decoders[o.rid] = (
+                    IncrementalDecoder(tokenizer, spec.skip_special_tokens, spec.stop, spec.no_stop_trim,
+                                       spec.spaces_between_special_tokens)
+                    if spec is not None else IncrementalDecoder(tokenizer)
+                )
+            text = dec.feed(o.new_ids)
+            if o.finish is not None:
+                text += dec.finish()
+                del decoders[o.rid]
+            outs.append(StrOut(o, text))
+        out.send(BatchStrOut(outs))

@@ -1,4 +1,11 @@
-"""Typed messages between the frontend side and the scheduler (msgspec structs; msgpack on a socket)."""
+"""Typed messages between the runtime's processes (msgspec structs as msgpack; never pickle).
+
+    client --ToScheduler--> scheduler --ToDetokenizer--> detokenizer --ToClient--> client
+
+Each socket carries a tagged union, so a receiver decodes exactly the types it accepts.
+Control replies (flush, server info) travel the same path as tokens and pass the detokenizer
+unchanged, so a client reads a single socket.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,7 @@ import msgspec
 from plait.runtime.sampling.params import SamplingParams
 
 
-class TokenizedGenerateReq(msgspec.Struct, frozen=True):
+class TokenizedGenerateReq(msgspec.Struct, frozen=True, tag=True):
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
@@ -17,7 +24,7 @@ class TokenizedGenerateReq(msgspec.Struct, frozen=True):
     stream: bool = False
 
 
-class AbortReq(msgspec.Struct, frozen=True):
+class AbortReq(msgspec.Struct, frozen=True, tag=True):
     rid: str
 
 
@@ -35,6 +42,15 @@ class FinishReason(msgspec.Struct, frozen=True):
         return out
 
 
+class DecodeSpec(msgspec.Struct, frozen=True):
+    """How to turn a request's ids into text; travels with its first output to the detokenizer."""
+
+    stop: list[str] = []
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    spaces_between_special_tokens: bool = True
+
+
 class TokenOut(msgspec.Struct):
     """One request's progress in one scheduler step (deltas since the previous TokenOut)."""
 
@@ -48,3 +64,56 @@ class TokenOut(msgspec.Struct):
     output_top_logprobs: list[list[tuple[float, int]]] = []
     input_logprobs: list[tuple[float | None, int]] = []
     input_top_logprobs: list[list[tuple[float, int]] | None] = []
+    queue_time: float | None = None  # seconds waited before admission, on the request's first output
+    decode: DecodeSpec | None = None  # on the request's first output
+
+
+class BatchTokenOut(msgspec.Struct, tag=True):
+    """Scheduler -> detokenizer: every request's progress in one step."""
+
+    outs: list[TokenOut]
+
+
+class StrOut(msgspec.Struct):
+    """One request's progress with its newly visible text (stop strings already trimmed)."""
+
+    out: TokenOut
+    text: str
+
+
+class BatchStrOut(msgspec.Struct, tag=True):
+    """Detokenizer -> client."""
+
+    outs: list[StrOut]
+
+
+class FlushCacheReq(msgspec.Struct, frozen=True, tag=True):
+    req_id: str
+
+
+class ServerInfoReq(msgspec.Struct, frozen=True, tag=True):
+    req_id: str
+
+
+class ControlReply(msgspec.Struct, frozen=True, tag=True):
+    """The scheduler's answer to a FlushCacheReq or ServerInfoReq with the same req_id."""
+
+    req_id: str
+    ok: bool
+    info: dict = {}
+
+
+class SchedulerStats(msgspec.Struct, frozen=True, tag=True):
+    """Sent by the scheduler about once a second while it works (and once when it goes idle)."""
+
+    num_running: int
+    num_waiting: int
+    kv_used: int
+    kv_capacity: int
+    cache_hit_rate: float
+    gen_throughput: float  # output tokens per second over the last interval
+
+
+ToScheduler = TokenizedGenerateReq | AbortReq | FlushCacheReq | ServerInfoReq
+ToDetokenizer = BatchTokenOut | ControlReply | SchedulerStats
+ToClient = BatchStrOut | ControlReply | SchedulerStats

@@ -36,6 +36,14 @@ class ServerArgs:
     disable_radix_cache: bool = _arg(False, "turn off prefix caching")
     random_seed: int = _arg(0, "seed for requests that give none")
     log_level: str = _arg("info", "logging level", ["debug", "info", "warning", "error"])
+    # ---- serving ----
+    host: str = _arg("127.0.0.1", "HTTP bind address")
+    port: int = _arg(30000, "HTTP port")
+    api_key: str | None = _arg(None, "require 'Authorization: Bearer <key>' on every endpoint but /health")
+    served_model_name: str | None = _arg(None, "model name in the OpenAI API; default: the model file's name")
+    max_queued_requests: int = _arg(-1, "requests allowed to wait beyond max_running_requests; more get 429 (-1: no limit)")
+    max_request_bytes: int = _arg(32 * 2**20, "largest accepted HTTP request body; larger get 413")
+    enable_metrics: bool = _arg(False, "serve Prometheus metrics at /metrics")
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -50,6 +58,10 @@ class ServerArgs:
             raise ValueError(f"chunked_prefill_size must be > 0 or -1, got {self.chunked_prefill_size}")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.max_queued_requests < -1:
+            raise ValueError(f"max_queued_requests must be >= -1, got {self.max_queued_requests}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         for f in dataclasses.fields(self):
@@ -79,6 +91,36 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
         return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def parse(cls, argv: Sequence[str] | None = None, prog: str | None = None) -> "ServerArgs":
+        """Flags, with `--config FILE.yaml` supplying defaults (same field names, - or _) that flags override."""
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--config")
+        known, _ = pre.parse_known_args(argv)
+        parser = argparse.ArgumentParser(prog=prog, description="plait runtime")
+        parser.add_argument("--config", help="YAML file with ServerArgs fields (flags given here win)")
+        cls.add_cli_args(parser)
+        if known.config:
+            parser.set_defaults(**load_config_file(known.config))
+        return cls.from_cli_args(parser.parse_args(argv))
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of ServerArgs fields")
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in names:
+            raise ValueError(f"{path}: unknown field {key!r}")
+        out[name] = value
+    return out
 
 
 def _best_cpu_dtype() -> str:

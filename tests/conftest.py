@@ -1,4 +1,5 @@
-"""Shared fixtures: one real engine on the default model, and transformers references."""
+"""Shared fixtures: one real engine (its runtime processes) on the default model, an in-process
+model runner for logits tests, and transformers references."""
 
 from __future__ import annotations
 
@@ -23,6 +24,16 @@ def engine():
 @pytest.fixture(scope="session")
 def tokenizer(engine):
     return engine.tokenizer
+
+
+@pytest.fixture(scope="session")
+def runner():
+    """The default model in this process (no scheduler), for logits-level checks."""
+    from plait.runtime.model_runner import ModelRunner
+    from plait.runtime.server_args import ServerArgs
+
+    args = ServerArgs(num_threads=THREADS, max_total_tokens=4096, dtype="float32", log_level="warning").resolved()
+    return ModelRunner(args, progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -26,9 +26,8 @@ def _run(runner: ModelRunner, ids: list[int], chunks: list[int]) -> torch.Tensor
     return torch.cat(out)
 
 
-def test_default_model_matches_transformers(engine, hf_model):
-    runner = engine.runner
-    ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. Paris is the capital of")
+def test_default_model_matches_transformers(runner, hf_model):
+    ids = runner.tokenizer.encode("The quick brown fox jumps over the lazy dog. Paris is the capital of")
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0]
     n = len(ids)
@@ -100,10 +99,9 @@ def test_strict_loader_rejects_missing_and_leftover_tensors(tmp_path):
         ModelRunner(args, progress=False)
 
 
-def test_cascade_decode_over_a_shared_prefix_matches_transformers(engine, hf_model):
+def test_cascade_decode_over_a_shared_prefix_matches_transformers(runner, hf_model):
     """Decode requests sharing cached prefix slots take the cascade path (prefix read once)."""
-    runner = engine.runner
-    tok = engine.tokenizer
+    tok = runner.tokenizer
     prefix = tok.encode("Here is a long shared context. " * 12)
     tails = [tok.encode(t) for t in (" First question: why", " Second one: how do", " Third")]
     assert len(prefix) >= 64
@@ -132,13 +130,13 @@ def test_cascade_decode_over_a_shared_prefix_matches_transformers(engine, hf_mod
     runner.allocator.free(p_slots)
 
 
-def test_bfloat16_weights_track_float32(engine):
+def test_bfloat16_weights_track_float32(runner):
     """The bf16 path (unpacked matmuls, bf16 KV) stays close to fp32: a 135M model's near-ties may flip."""
     args = ServerArgs(dtype="bfloat16", max_total_tokens=512, num_threads=THREADS).resolved()
     bf16 = ModelRunner(args, progress=False)
-    tok = engine.tokenizer
+    tok = runner.tokenizer
     ids = tok.encode("The history of Paris begins with a small settlement on an island in the river Seine.")
-    ref = _run(engine.runner, ids, [len(ids)])
+    ref = _run(runner, ids, [len(ids)])
     ours = _run(bf16, ids, [7, len(ids) - 7])
     assert (ours - ref).abs().max().item() < 2.0
     # wherever bf16 picks another token, fp32 had it as a near-tie

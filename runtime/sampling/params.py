@@ -24,6 +24,13 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
+    # SGLang's keys that plait accepts but cannot honour yet: null or default only (the sglang
+    # frontend always sends them), anything else is refused rather than silently ignored
+    n: int = 1
+    stop_regex: str | list[str] | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
@@ -71,6 +78,13 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             bad("stop", "must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative token ids")
+        if self.n != 1:
+            bad("n", "must be 1 (send a batch, or use the OpenAI API's n)")
+        for name in ("regex", "json_schema", "ebnf"):
+            if getattr(self, name) is not None:
+                bad(name, "needs a grammar backend, which this server does not have yet")
+        if self.stop_regex:
+            bad("stop_regex", "is not supported")
 
     @property
     def is_greedy(self) -> bool:

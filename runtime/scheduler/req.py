@@ -39,6 +39,9 @@ class Req:
         self.cached_tokens = -1  # prompt tokens served from the radix cache at admission; -1 until admitted
         self.finish: FinishReason | None = None
         self.arrival = time.perf_counter()
+        self.queue_time: float | None = None  # set at first admission
+        self.queue_time_sent = False
+        self.decode_sent = False
         self.input_logprobs_done = False
 
         # deltas not yet sent

@@ -11,12 +11,14 @@ the waiting queue (their computed tokens stay cached) and resume later.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 import torch
 
 from plait.radix_cache.radix_cache import common_prefix_len
-from plait.runtime.io_struct import AbortReq, FinishReason, TokenizedGenerateReq, TokenOut
+from plait.runtime.io_struct import AbortReq, DecodeSpec, FinishReason, TokenizedGenerateReq, TokenOut
+from plait.runtime.limits import RuntimeLimits, validate_request
 from plait.runtime.model_runner import ModelRunner, WorkItem
 from plait.runtime.sampling import SampleRow, sample
 from plait.runtime.scheduler.kv_manager import KVManager
@@ -52,25 +54,13 @@ class Scheduler:
         self._seed_counter = args.random_seed
         self.num_retracted = 0
         self.forward_passes = 0
+        self.tokens_generated = 0
+        self.limits = RuntimeLimits(self.context_length, runner.allocator.capacity, runner.config.vocab_size,
+                                    sum(p.numel() * p.element_size() for p in runner.model.parameters()))
 
     # ---- requests in ----------------------------------------------------------------
-    def validate(self, msg: TokenizedGenerateReq) -> None:
-        """Raise ValueError for a request that can never run."""
-        n = len(msg.input_ids)
-        if n == 0:
-            raise ValueError("input_ids must not be empty")
-        if n >= self.context_length:
-            raise ValueError(f"prompt of {n} tokens does not fit the context length {self.context_length}")
-        if n + 1 > self.runner.allocator.capacity:
-            raise ValueError(f"prompt of {n} tokens does not fit the KV pool ({self.runner.allocator.capacity} tokens)")
-        vocab = self.runner.config.vocab_size
-        if any(t < 0 or t >= vocab for t in msg.input_ids):
-            raise ValueError(f"input_ids must be in [0, {vocab})")
-        if msg.top_logprobs_num < 0 or msg.top_logprobs_num > 20:
-            raise ValueError("top_logprobs_num must be in [0, 20]")
-
     def add_request(self, msg: TokenizedGenerateReq) -> None:
-        self.validate(msg)
+        validate_request(msg, self.limits)
         self._seed_counter += 1
         self.waiting.append(Req(msg, self._seed_counter))
 
@@ -172,6 +162,8 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             self.running.append(req)
+            if req.queue_time is None:  # first admission (a retracted request keeps its first wait)
+                req.queue_time = time.perf_counter() - req.arrival
             admitted.append(req)
             out.append((req, n))
             budget -= n
@@ -258,6 +250,7 @@ class Scheduler:
         for k, (req, _) in enumerate(to_sample):
             tok = result.next_ids[k]
             req.output_ids.append(tok)
+            self.tokens_generated += 1
             req.pending_ids.append(tok)
             if result.logprobs is not None and req.return_logprob:
                 req.pending_logprobs.append((result.logprobs[k], tok))
@@ -283,6 +276,7 @@ class Scheduler:
             self.emit(outs)
 
     def _out(self, req: Req) -> TokenOut:
+        p = req.params
         out = TokenOut(
             rid=req.rid,
             new_ids=req.pending_ids,
@@ -294,7 +288,12 @@ class Scheduler:
             output_top_logprobs=req.pending_top,
             input_logprobs=req.pending_input_logprobs,
             input_top_logprobs=req.pending_input_top,
+            queue_time=None if req.queue_time_sent else req.queue_time,
+            decode=None if req.decode_sent else DecodeSpec(p.stop, p.skip_special_tokens, p.no_stop_trim,
+                                                           p.spaces_between_special_tokens),
         )
+        req.decode_sent = True
+        req.queue_time_sent = req.queue_time_sent or req.queue_time is not None
         req.pending_ids, req.pending_logprobs, req.pending_top = [], [], []
         req.pending_input_logprobs, req.pending_input_top = [], []
         return out
@@ -316,4 +315,5 @@ class Scheduler:
             "cache_hit_rate": cache.hit_rate,
             "num_retracted": self.num_retracted,
             "forward_passes": self.forward_passes,
+            "tokens_generated": self.tokens_generated,
         }

@@ -1,0 +1,304 @@
+"""The HTTP server: FastAPI on uvicorn, one client of the runtime processes.
+
+SGLang's native API (/generate, /get_model_info, /server_info, /flush_cache, /health, ...) and,
+from `openai_api`, the OpenAI API. Errors are 4xx/5xx with an OpenAI-style body
+`{"error": {"message", "type", "code"}}`; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from plait.runtime.launcher import RuntimeProcesses
+from plait.runtime.server_args import ServerArgs
+from plait.runtime.tokenizer_manager import GenerateInput, QueueFull, RuntimeClient, RuntimeDead
+
+logger = logging.getLogger(__name__)
+
+_DISCONNECT_POLL = 0.5
+_GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                  "return_text_in_logprobs", "stream", "rid"}
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, type_: str | None = None):
+        super().__init__(message)
+        self.status, self.message = status, message
+        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                              413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+
+
+def error_response(status: int, message: str, type_: str | None = None) -> JSONResponse:
+    e = HTTPError(status, message, type_)
+    return JSONResponse({"error": {"message": e.message, "type": e.type, "code": status}}, status_code=status)
+
+
+def served_model_name(args: ServerArgs) -> str:
+    return args.served_model_name or os.path.basename(args.model_path.rstrip("/"))
+
+
+class ServerState:
+    """What the endpoints share: the args, the runtime processes, the client (made at start-up)."""
+
+    def __init__(self, args: ServerArgs, runtime: RuntimeProcesses, metrics=None):
+        self.args = args
+        self.runtime = runtime
+        self.metrics = metrics
+        self.client: RuntimeClient | None = None
+        self.model_name = served_model_name(args)
+        self.on_death = lambda why: None  # replaced by launch_server to stop the process
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.client = RuntimeClient(state.runtime, state.metrics, on_death=lambda why: state.on_death(why))
+        yield
+        await state.client.close()
+
+    app = FastAPI(title="plait", lifespan=lifespan)
+    app.state.plait = state
+    args = state.args
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if args.api_key and request.url.path not in ("/health",):
+            if request.headers.get("authorization", "") != f"Bearer {args.api_key}":
+                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > args.max_request_bytes:
+            return error_response(413, f"request body of {length} bytes exceeds the limit of {args.max_request_bytes}")
+        return await call_next(request)
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(request: Request, e: HTTPError):
+        return error_response(e.status, e.message, e.type)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(request: Request, e: ValueError):
+        return error_response(400, str(e))
+
+    @app.exception_handler(QueueFull)
+    async def _queue_full(request: Request, e: QueueFull):
+        return error_response(429, str(e))
+
+    @app.exception_handler(RuntimeDead)
+    async def _dead(request: Request, e: RuntimeDead):
+        return error_response(503, f"the runtime is down: {e}", "server_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        parts = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        return error_response(400, "; ".join(parts) or "invalid request")
+
+    # ---- SGLang's native API ------------------------------------------------------------
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await read_json(request, args.max_request_bytes)
+        unknown = sorted(k for k, v in body.items() if k not in _GENERATE_KEYS and v is not None)
+        if unknown:
+            raise HTTPError(400, f"unknown field(s) in /generate: {', '.join(unknown)}")
+        inp = GenerateInput(**{k: v for k, v in body.items() if k in _GENERATE_KEYS and v is not None})
+        client = state.client
+        # errors (400, 429, 503) surface here, before a stream's headers are sent
+        gen = client.results(client.submit(client.tokenize(inp), inp.return_text_in_logprobs), inp.stream, inp.single)
+        if inp.stream:
+            return StreamingResponse(sse(request, gen), media_type="text/event-stream")
+        result = await first_or_disconnect(request, gen)
+        if client.dead is not None:
+            raise RuntimeDead(client.dead)
+        return JSONResponse(result)
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        tok = state.client.tokenizer
+        return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
+                "is_generation": True, "chat_template": getattr(tok, "chat_template", None) if tok else None,
+                "served_model_name": state.model_name, "context_length": state.client.limits.context_length}
+
+    async def server_info():
+        info: dict[str, Any] = {k: getattr(args, k) for k in args.__dataclass_fields__ if k != "api_key"}
+        info.update({"limits": {"context_length": state.client.limits.context_length,
+                                "kv_capacity": state.client.limits.kv_capacity},
+                     "version": _version(),
+                     "pids": {name: p.pid for name, p in state.runtime.procs.items()} | {"server": os.getpid()}})
+        info.update(await state.client.server_info())
+        return info
+
+    app.get("/server_info")(server_info)
+    app.get("/get_server_info")(server_info)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        if await state.client.flush_cache():
+            return Response("Cache flushed.\n", status_code=200)
+        return Response("Cache not flushed: requests are running.\n", status_code=400)
+
+    @app.get("/health")
+    async def health():
+        if state.client is None or state.client.dead is not None:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        if state.client.dead is not None:
+            return Response(status_code=503)
+        ids = [0] if state.client.tokenizer is None else None
+        inp = GenerateInput(text=None if ids else "ping", input_ids=ids, sampling_params={"max_new_tokens": 1})
+        try:
+            result = await asyncio.wait_for(_first(state.client.generate(inp)), timeout=60)
+        except (asyncio.TimeoutError, RuntimeDead):
+            return Response(status_code=503)
+        ok = result["meta_info"]["finish_reason"]["type"] != "abort"
+        return Response(status_code=200 if ok else 503)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await read_json(request, args.max_request_bytes)
+        rid = body.get("rid")
+        if not isinstance(rid, str):
+            raise HTTPError(400, "rid must be a string")
+        state.client.abort(rid)
+        return Response(status_code=200)
+
+    @app.post("/concate_and_append_request")
+    async def concate_and_append_request():
+        # the sglang frontend sends this on join; it resends the full text with its next call
+        return Response(status_code=200)
+
+    if args.enable_metrics:
+        @app.get("/metrics")
+        async def metrics():
+            return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    from plait.runtime.openai_api import add_openai_routes
+
+    add_openai_routes(app, state)
+    return app
+
+
+# ---- helpers shared with the OpenAI routes ------------------------------------------------
+async def read_json(request: Request, limit: int) -> dict:
+    body = b""
+    async for chunk in request.stream():  # bounded even without a Content-Length header
+        body += chunk
+        if len(body) > limit:
+            raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HTTPError(400, f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise HTTPError(400, "the body must be a JSON object")
+    return data
+
+
+async def _first(gen: AsyncIterator):
+    async for item in gen:
+        await gen.aclose()
+        return item
+
+
+async def first_or_disconnect(request: Request, gen: AsyncIterator):
+    """The generator's first item; a client that hangs up cancels it (which aborts its requests)."""
+    task = asyncio.ensure_future(_first(gen))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            await gen.aclose()
+            raise HTTPError(499, "client disconnected")
+
+
+async def sse(request: Request, gen: AsyncIterator[dict], render=None) -> AsyncIterator[bytes]:
+    """Server-sent events, `data: {...}` per item and `data: [DONE]` at the end. An error after
+    the stream started is sent as a final error event."""
+    try:
+        async for item in gen:
+            payload = render(item) if render else [item]
+            for p in payload:
+                yield b"data: " + json.dumps(p, ensure_ascii=False).encode() + b"\n\n"
+    except (ValueError, QueueFull, RuntimeDead) as e:
+        code = 400 if isinstance(e, ValueError) else 429 if isinstance(e, QueueFull) else 503
+        yield b"data: " + json.dumps({"error": {"message": str(e), "type": "server_error", "code": code}}).encode() + b"\n\n"
+    finally:
+        await gen.aclose()
+    yield b"data: [DONE]\n\n"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("plait")
+    except PackageNotFoundError:
+        return "0"
+
+
+# ---- launch ------------------------------------------------------------------------------
+def launch_server(args: ServerArgs) -> int:
+    """Start the runtime and serve until SIGINT/SIGTERM (exit 0) or a runtime process dies (exit 1)."""
+    import uvicorn
+
+    from plait.runtime.launcher import launch_runtime
+    from plait.runtime.metrics import Metrics
+
+    args = args.resolved()
+    logging.basicConfig(level=args.log_level.upper(), format="[plait %(asctime)s] %(message)s")
+    start = time.perf_counter()
+    runtime = launch_runtime(args)
+    state = ServerState(args, runtime, Metrics(served_model_name(args)) if args.enable_metrics else None)
+    app = create_app(state)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=30, access_log=args.log_level == "debug")
+    server = uvicorn.Server(config)
+    exit_code = 0
+
+    def on_death(why: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        server.should_exit = True
+
+    state.on_death = on_death
+
+    async def serve() -> None:
+        announce = asyncio.ensure_future(_announce(server, args, start))
+        try:
+            await server.serve()
+        finally:
+            announce.cancel()
+
+    try:
+        asyncio.run(serve())
+    finally:
+        runtime.shutdown()
+    if not server.started and exit_code == 0:
+        exit_code = 1  # e.g. the port was taken
+    return exit_code
+
+
+async def _announce(server, args: ServerArgs, start: float) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    logger.info("plait server ready at http://%s:%d (model %s, %.1f s to start)", args.host, args.port,
+                args.model_path, time.perf_counter() - start)

@@ -1,0 +1,74 @@
+"""Prometheus metrics of one server (prometheus-client, names prefixed `plait:`).
+
+Latencies are measured where the client sees them (the tokenizer manager); running/queued
+requests, KV usage, cache hit rate and throughput come from the scheduler's periodic stats.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"plait:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"plait:{name}", doc, labels, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"plait:{name}", doc, labels, registry=r).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token", _LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between output chunks per token", _ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS)
+        self.queue = hist("queue_time_seconds", "Time waiting before admission", _LATENCY_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache")
+        self.requests = counter("num_requests", "Requests finished")
+        self.running = gauge("num_running_reqs", "Requests running")
+        self.queued = gauge("num_queue_reqs", "Requests waiting")
+        self.kv_usage = gauge("token_usage", "Fraction of the KV pool in use")
+        self.hit_rate = gauge("cache_hit_rate", "Prefix cache hit rate (tokens)")
+        self.throughput = gauge("gen_throughput", "Generated tokens per second")
+
+    def on_output(self, st, out, now: float) -> None:
+        """One update of a request (st: ReqState, already applied)."""
+        n = len(out.new_ids)
+        if n:
+            if st.first_token_at is None:
+                st.first_token_at = now
+                self.ttft.observe(now - st.created)
+            elif st.last_token_at is not None:
+                gap = (now - st.last_token_at) / n
+                for _ in range(n):
+                    self.itl.observe(gap)
+            st.last_token_at = now
+        if out.queue_time is not None:
+            self.queue.observe(out.queue_time)
+
+    def on_finish(self, st, now: float) -> None:
+        self.e2e.observe(now - st.created)
+        self.prompt_tokens.inc(st.counts["prompt_tokens"])
+        self.generation_tokens.inc(st.counts["completion_tokens"])
+        self.cached_tokens.inc(st.counts["cached_tokens"])
+        self.requests.inc()
+
+    def on_stats(self, s) -> None:
+        self.running.set(s.num_running)
+        self.queued.set(s.num_waiting)
+        self.kv_usage.set(s.kv_used / s.kv_capacity if s.kv_capacity else 0.0)
+        self.hit_rate.set(s.cache_hit_rate)
+        self.throughput.set(s.gen_throughput)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,255 @@
+"""The OpenAI API on top of the runtime client: /v1/models, /v1/completions, /v1/chat/completions.
+
+Shapes follow what the official `openai` Python client parses. `n` choices run as n requests of
+the same prompt (the radix cache computes the prompt once); usage reports cached prompt tokens.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from plait.runtime.http_server import HTTPError, ServerState, first_or_disconnect, sse
+from plait.runtime.io_struct import TokenizedGenerateReq
+from plait.runtime.limits import validate_request
+from plait.runtime.openai_protocol import ChatCompletionRequest, CompletionRequest
+from plait.runtime.sampling import SamplingParams
+from plait.runtime.tokenizer_manager import ReqState, RuntimeClient, RuntimeDead
+
+
+def add_openai_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": _START,
+                                            "owned_by": "plait", "root": state.args.model_path,
+                                            "max_model_len": state.client.limits.context_length}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        client = state.client
+        prompts = _completion_prompts(client, req.prompt)
+        if req.echo and req.logprobs is not None:
+            raise HTTPError(400, "echo with logprobs is not supported")
+        msgs = []
+        for ids in prompts:
+            max_new = _max_new_tokens(client, len(ids), req.max_tokens)
+            for i in range(req.n):
+                msgs.append(_request(client, ids, req.sampling_params(max_new, i), req.logprobs, req.stream))
+        states = client.submit(msgs)
+        echo = [client.tokenizer.decode(ids) if req.echo and client.tokenizer else "" for ids in prompts]
+        view = _Completion(state, req, states, echo)
+        gen = client.results(states, req.stream, single=False)
+        if req.stream:
+            return StreamingResponse(sse(request, gen, view.chunk), media_type="text/event-stream")
+        await first_or_disconnect(request, gen)
+        if client.dead is not None:
+            raise RuntimeDead(client.dead)
+        return JSONResponse(view.final())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        client = state.client
+        ids = _chat_prompt(client, req)
+        max_new = _max_new_tokens(client, len(ids), req.max_completion_tokens or req.max_tokens)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        states = client.submit([_request(client, ids, req.sampling_params(max_new, i), top, req.stream)
+                                for i in range(req.n)])
+        view = _Chat(state, req, states)
+        gen = client.results(states, req.stream, single=False)
+        if req.stream:
+            return StreamingResponse(sse(request, gen, view.chunk), media_type="text/event-stream")
+        await first_or_disconnect(request, gen)
+        if client.dead is not None:
+            raise RuntimeDead(client.dead)
+        return JSONResponse(view.final())
+
+
+_START = int(time.time())
+
+
+# ---- request building -----------------------------------------------------------------------
+def _completion_prompts(client: RuntimeClient, prompt) -> list[list[int]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if client.tokenizer is None:
+                raise HTTPError(400, "text prompts need a tokenizer: send token ids")
+            out.append(client.tokenizer.encode(p))
+        else:
+            out.append(list(p))
+    return out
+
+
+def _chat_prompt(client: RuntimeClient, req: ChatCompletionRequest) -> list[int]:
+    tok = client.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise HTTPError(400, "this model has no chat template: use /v1/completions")
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+    continue_final = req.continue_final_message and messages[-1]["role"] == "assistant"
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continue_final,
+                                   continue_final_message=continue_final, **(req.chat_template_kwargs or {}))
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _max_new_tokens(client: RuntimeClient, prompt_len: int, requested: int | None) -> int:
+    room = client.limits.context_length - prompt_len
+    if room <= 0:
+        raise HTTPError(400, f"the prompt has {prompt_len} tokens; this model's context length is "
+                             f"{client.limits.context_length}")
+    if requested is None:
+        return room
+    if requested > room:
+        raise HTTPError(400, f"max_tokens {requested} plus the prompt's {prompt_len} tokens exceeds the "
+                             f"context length {client.limits.context_length}")
+    return requested
+
+
+def _request(client: RuntimeClient, ids: list[int], params: dict, top_logprobs: int | None,
+             stream: bool) -> TokenizedGenerateReq:
+    msg = TokenizedGenerateReq(f"oai-{uuid.uuid4().hex}", ids, SamplingParams.from_dict(params),
+                               return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
+                               stream=stream)
+    validate_request(msg, client.limits)
+    return msg
+
+
+def _finish(st: ReqState) -> str | None:
+    if st.finish is None:
+        return None
+    return st.finish.type  # "stop" | "length" | "abort"
+
+
+def _usage(states: list[ReqState], n: int) -> dict:
+    # prompts count once per distinct prompt (n choices share one)
+    prompt = sum(st.counts["prompt_tokens"] for st in states[::n])
+    completion = sum(st.counts["completion_tokens"] for st in states)
+    cached = sum(st.counts["cached_tokens"] for st in states[::n])
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class _View:
+    """Turns request states into OpenAI responses; remembers what each stream already sent."""
+
+    def __init__(self, state: ServerState, req, states: list[ReqState]):
+        self.tok = state.client.tokenizer
+        self.model = req.model or state.model_name
+        self.req = req
+        self.states = states
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.sent_text = [0] * len(states)
+        self.sent_lp = [0] * len(states)
+        self.done = [False] * len(states)
+
+    prefix = "cmpl"
+
+    def _token(self, tid: int) -> str:
+        return self.tok.decode([tid]) if self.tok is not None else str(tid)
+
+    def _new_logprobs(self, i: int) -> tuple[list, list]:
+        st = self.states[i]
+        start = self.sent_lp[i]
+        self.sent_lp[i] = len(st.out_lp)
+        return st.out_lp[start:], st.out_top[start:]
+
+    def chunk(self, snap: dict) -> list[dict]:
+        """SSE payloads for one snapshot of choice snap["index"] (plus usage after the last)."""
+        i = snap["index"]
+        st = self.states[i]
+        delta = st.text[self.sent_text[i]:]
+        self.sent_text[i] = len(st.text)
+        out = [self._chunk(i, delta, _finish(st))]
+        if st.finish is not None:
+            self.done[i] = True
+            if all(self.done) and self.req.stream_options and self.req.stream_options.include_usage:
+                out.append({"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                            "choices": [], "usage": _usage(self.states, self.req.n)})
+        return out
+
+
+class _Completion(_View):
+    chunk_object = "text_completion"
+
+    def __init__(self, state, req: CompletionRequest, states, echo: list[str]):
+        super().__init__(state, req, states)
+        self.echo = echo
+        self.echo_sent = [False] * len(states)
+
+    def _logprobs(self, lps: list, tops: list, offset: int) -> dict | None:
+        if self.req.logprobs is None:
+            return None
+        tokens = [self._token(tid) for _, tid in lps]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        top = [{self._token(tid): lp for lp, tid in t} for t in tops] if self.req.logprobs else None
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps], "top_logprobs": top,
+                "text_offset": offsets}
+
+    def final(self) -> dict:
+        choices = []
+        for i, st in enumerate(self.states):
+            prefix = self.echo[i // self.req.n]
+            choices.append({"index": i, "text": prefix + st.text,
+                            "logprobs": self._logprobs(st.out_lp, st.out_top, len(prefix)),
+                            "finish_reason": _finish(st)})
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": _usage(self.states, self.req.n)}
+
+    def _chunk(self, i: int, delta: str, finish: str | None) -> dict:
+        if not self.echo_sent[i]:
+            delta = self.echo[i // self.req.n] + delta
+            self.echo_sent[i] = True
+        lps, tops = self._new_logprobs(i)
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": i, "text": delta, "logprobs": self._logprobs(lps, tops, 0),
+                             "finish_reason": finish}]}
+
+
+class _Chat(_View):
+    prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, state, req: ChatCompletionRequest, states):
+        super().__init__(state, req, states)
+        self.role_sent = [False] * len(states)
+
+    def _logprobs(self, lps: list, tops: list) -> dict | None:
+        if not self.req.logprobs:
+            return None
+
+        def entry(lp: float, tid: int) -> dict:
+            t = self._token(tid)
+            return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+
+        content = []
+        for (lp, tid), top in zip(lps, tops or [[]] * len(lps)):
+            content.append({**entry(lp, tid), "top_logprobs": [entry(a, b) for a, b in top]})
+        return {"content": content}
+
+    def final(self) -> dict:
+        choices = [{"index": i, "message": {"role": "assistant", "content": st.text},
+                    "logprobs": self._logprobs(st.out_lp, st.out_top), "finish_reason": _finish(st)}
+                   for i, st in enumerate(self.states)]
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": _usage(self.states, self.req.n)}
+
+    def _chunk(self, i: int, delta: str, finish: str | None) -> dict:
+        d: dict[str, Any] = {"content": delta}
+        if not self.role_sent[i]:
+            d["role"] = "assistant"
+            self.role_sent[i] = True
+        lps, tops = self._new_logprobs(i)
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [{"index": i, "delta": d, "logprobs": self._logprobs(lps, tops) if lps else None,
+                             "finish_reason": finish}]}

@@ -1,0 +1,116 @@
+"""The scheduler process: owns the model runner, KV pools and radix cache; runs the loop.
+
+    receive (drain the inbox) -> scheduler.step() -> send each step's outputs to the detokenizer
+
+It blocks on its inbox only when idle, so queued messages never delay a running batch by more
+than one step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from plait.runtime.io_struct import (
+    AbortReq,
+    BatchTokenOut,
+    ControlReply,
+    FinishReason,
+    FlushCacheReq,
+    SchedulerStats,
+    ServerInfoReq,
+    TokenizedGenerateReq,
+    TokenOut,
+    ToScheduler,
+)
+from plait.runtime.ipc import Addresses, Receiver, Sender, die_with_parent, parent_alive
+from plait.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_STATS_INTERVAL = 1.0
+
+
+def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready) -> None:
+    """Process entry point: build the runtime, report readiness (or the error) on `ready`
+    (a proc_main.ReadyPipe), loop."""
+    die_with_parent()
+    ppid = os.getppid()
+    logging.basicConfig(level=args.log_level.upper(), format="[plait scheduler %(asctime)s] %(message)s")
+    try:
+        from plait.runtime.model_runner import ModelRunner
+        from plait.runtime.scheduler.scheduler import Scheduler
+
+        ctx = zmq.Context()
+        inbox = Receiver(ctx, addrs.scheduler, ToScheduler)
+        out = Sender(ctx, addrs.detokenizer)
+        runner = ModelRunner(args)
+        scheduler = Scheduler(args, runner, lambda outs: out.send(BatchTokenOut(outs)))
+        ready.send({"ok": True, "limits": msgspec.to_builtins(scheduler.limits)})
+    except BaseException:  # tell the launcher why, then die
+        ready.send({"ok": False, "error": traceback.format_exc()})
+        raise
+    finally:
+        ready.close()
+    _Loop(scheduler, inbox, out, ppid).run()
+
+
+class _Loop:
+    def __init__(self, scheduler, inbox: Receiver, out: Sender, ppid: int):
+        self.scheduler = scheduler
+        self.inbox = inbox
+        self.out = out
+        self.ppid = ppid
+        self._last_stats = time.perf_counter()
+        self._tokens_since = 0
+
+    def run(self) -> None:
+        while True:
+            if self.scheduler.idle:
+                self._send_stats(force=False)
+                while not self.inbox.poll(1000):  # idle: wake once a second to notice an orphaning
+                    if not parent_alive(self.ppid):
+                        return
+            while (msg := self.inbox.recv(block=False)) is not None:
+                self._handle(msg)
+            before = self.scheduler.tokens_generated
+            self.scheduler.step()
+            self._tokens_since += self.scheduler.tokens_generated - before
+            if self.scheduler.idle:
+                self._send_stats(force=True)
+            else:
+                self._send_stats(force=False)
+
+    def _handle(self, msg) -> None:
+        s = self.scheduler
+        if isinstance(msg, TokenizedGenerateReq):
+            try:
+                s.add_request(msg)
+            except ValueError as e:  # the client validates first; this is the last line of defence
+                self.out.send(BatchTokenOut([TokenOut(msg.rid, [], FinishReason("abort", message=str(e)),
+                                                      len(msg.input_ids), 0, 0)]))
+        elif isinstance(msg, AbortReq):
+            s.abort(msg)
+        elif isinstance(msg, FlushCacheReq):
+            self.out.send(ControlReply(msg.req_id, s.flush_cache()))
+        elif isinstance(msg, ServerInfoReq):
+            self.out.send(ControlReply(msg.req_id, True, s.stats()))
+
+    def _send_stats(self, force: bool) -> None:
+        now = time.perf_counter()
+        elapsed = now - self._last_stats
+        if not force and elapsed < _STATS_INTERVAL:
+            return
+        st = self.scheduler.stats()
+        self.out.send(SchedulerStats(
+            num_running=st["num_running"], num_waiting=st["num_waiting"],
+            kv_used=st["kv_capacity"] - st["kv_free"], kv_capacity=st["kv_capacity"],
+            cache_hit_rate=st["cache_hit_rate"],
+            gen_throughput=self._tokens_since / elapsed if elapsed > 0 else 0.0,
+        ))
+        self._last_stats, self._tokens_since = now, 0

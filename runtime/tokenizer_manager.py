@@ -1,0 +1,353 @@
+"""The runtime's client side: tokenize and validate, send to the scheduler, gather the
+detokenizer's outputs per request. Runs on an asyncio loop; the HTTP server and `Engine`
+(hence the DSL's `Runtime`) both use this one class.
+
+Results have the shape of SGLang's /generate response:
+    {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+     "completion_tokens", "cached_tokens", "e2e_latency", [logprobs...]}}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from plait.runtime.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    ControlReply,
+    FinishReason,
+    FlushCacheReq,
+    SchedulerStats,
+    ServerInfoReq,
+    StrOut,
+    TokenizedGenerateReq,
+    ToClient,
+)
+from plait.runtime.launcher import RuntimeProcesses
+from plait.runtime.limits import validate_request
+from plait.runtime.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_WATCH_INTERVAL = 0.2
+
+
+class RuntimeDead(RuntimeError):
+    """A runtime process died; nothing more can run."""
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than --max-queued-requests allows."""
+
+
+class GenerateInput:
+    """One /generate call, validated: a single request or a batch, in input order."""
+
+    def __init__(self, text: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None,
+                 sampling_params: dict | list[dict] | None = None, return_logprob: bool | list[bool] = False,
+                 logprob_start_len: int | list[int] = -1, top_logprobs_num: int | list[int] = 0,
+                 return_text_in_logprobs: bool = False, stream: bool = False, rid: str | list[str] | None = None):
+        if (text is None) == (input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        if text is not None:
+            self.single = isinstance(text, str)
+            texts = [text] if self.single else text
+            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+                raise ValueError("text must be a string or a non-empty list of strings")
+            self.texts: list[str] | None = texts
+            self.ids: list[list[int]] | None = None
+            n = len(texts)
+        else:
+            if not isinstance(input_ids, list):
+                raise ValueError("input_ids must be a list of ints or a list of lists of ints")
+            self.single = not input_ids or not isinstance(input_ids[0], list)
+            ids = [input_ids] if self.single else input_ids
+            if not all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+                       for x in ids):
+                raise ValueError("input_ids must be a list of ints or a list of lists of ints")
+            self.texts, self.ids = None, ids
+            n = len(ids)
+        self.n = n
+        self.params = [SamplingParams.from_dict(p) for p in _per_item(sampling_params, n, "sampling_params", dict)]
+        self.return_logprob = _per_item(return_logprob, n, "return_logprob", bool)
+        self.logprob_start_len = _per_item(logprob_start_len, n, "logprob_start_len", int)
+        self.top_logprobs_num = _per_item(top_logprobs_num, n, "top_logprobs_num", int)
+        self.return_text_in_logprobs = bool(return_text_in_logprobs)
+        self.stream = bool(stream)
+        rids = _per_item(rid, n, "rid", str) if rid is not None else [uuid.uuid4().hex for _ in range(n)]
+        if len(set(rids)) != len(rids):
+            raise ValueError("rid values must be unique")
+        self.rids = rids
+
+
+def _per_item(value, n: int, name: str, kind: type) -> list:
+    """A per-request field given once for all or as a list with one entry per prompt."""
+    items = value if isinstance(value, list) else [value] * n
+    if len(items) != n:
+        raise ValueError(f"{name} has {len(items)} entries for {n} prompts")
+    for v in items:
+        if v is not None and not isinstance(v, kind):
+            raise ValueError(f"{name} must be {'an object' if kind is dict else kind.__name__}")
+    return items
+
+
+class ReqState:
+    """Everything the client knows about one request."""
+
+    def __init__(self, msg: TokenizedGenerateReq, text_in_logprobs: bool):
+        self.msg = msg
+        self.text_in_logprobs = text_in_logprobs
+        self.text = ""
+        self.output_ids: list[int] = []
+        self.finish: FinishReason | None = None
+        self.counts = {"prompt_tokens": len(msg.input_ids), "completion_tokens": 0, "cached_tokens": 0}
+        self.out_lp: list = []
+        self.out_top: list = []
+        self.in_lp: list = []
+        self.in_top: list = []
+        self.sent = {"out_lp": 0, "out_top": 0, "in_lp": 0, "in_top": 0}  # streamed so far
+        self.created = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.queue_time: float | None = None
+        self.changed = asyncio.Event()
+
+    def apply(self, so: StrOut) -> None:
+        o = so.out
+        self.text += so.text
+        self.output_ids += o.new_ids
+        self.out_lp += o.output_logprobs
+        self.out_top += o.output_top_logprobs
+        self.in_lp += o.input_logprobs
+        self.in_top += o.input_top_logprobs
+        self.counts = {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
+                       "cached_tokens": o.cached_tokens}
+        if o.queue_time is not None:
+            self.queue_time = o.queue_time
+        if o.finish is not None:
+            self.finish = o.finish
+        self.changed.set()
+
+
+class RuntimeClient:
+    """Talks to the scheduler and detokenizer processes of one runtime. Create it on the loop
+    that will use it, after `launch_runtime`."""
+
+    def __init__(self, rt: RuntimeProcesses, metrics=None, on_death: Callable[[str], None] | None = None):
+        self.rt = rt
+        self.args = rt.args
+        self.tokenizer = rt.tokenizer
+        self.limits = rt.limits
+        self.metrics = metrics
+        self.on_death = on_death
+        self.ctx = zmq.asyncio.Context()
+        self._out = self.ctx.socket(zmq.PUSH)
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._out.connect(rt.addrs.scheduler)
+        self._in = self.ctx.socket(zmq.PULL)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._in.bind(rt.addrs.client)
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(ToClient)
+        self.states: dict[str, ReqState] = {}
+        self._replies: dict[str, asyncio.Future] = {}
+        self.last_stats: SchedulerStats | None = None
+        self.dead: str | None = None
+        self._tasks = [asyncio.ensure_future(self._read_loop()), asyncio.ensure_future(self._watch_loop())]
+
+    # ---- requests ---------------------------------------------------------------------
+    def tokenize(self, inp: GenerateInput) -> list[TokenizedGenerateReq]:
+        """Tokenized, validated messages (ValueError names what is wrong)."""
+        if inp.texts is not None:
+            if self.tokenizer is None:
+                raise ValueError("text needs a tokenizer (the server runs with skip_tokenizer_init): send input_ids")
+            ids_list = [self.tokenizer.encode(t) for t in inp.texts]
+        else:
+            ids_list = inp.ids
+        if self.tokenizer is None and any(p.stop for p in inp.params):
+            raise ValueError("sampling_params.stop needs a tokenizer (skip_tokenizer_init is set)")
+        msgs = []
+        for i, ids in enumerate(ids_list):
+            msg = TokenizedGenerateReq(inp.rids[i], list(ids), inp.params[i], inp.return_logprob[i],
+                                       inp.logprob_start_len[i], inp.top_logprobs_num[i], inp.stream)
+            validate_request(msg, self.limits)
+            msgs.append(msg)
+        return msgs
+
+    def submit(self, msgs: list[TokenizedGenerateReq], text_in_logprobs: bool = False) -> list[ReqState]:
+        self._check_alive()
+        cap = self.args.max_running_requests + self.args.max_queued_requests
+        if self.args.max_queued_requests >= 0 and len(self.states) + len(msgs) > cap:
+            raise QueueFull(f"too many requests in flight ({len(self.states)}); the queue limit is "
+                            f"{self.args.max_queued_requests} waiting beyond {self.args.max_running_requests} running")
+        for m in msgs:
+            if m.rid in self.states:
+                raise ValueError(f"a request with rid {m.rid!r} is already running")
+        states = []
+        for m in msgs:
+            st = ReqState(m, text_in_logprobs)
+            self.states[m.rid] = st
+            states.append(st)
+            self._out.send(self._enc.encode(m))
+        return states
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[dict]:
+        """tokenize + submit + results, for callers that take errors on the first iteration."""
+        states = self.submit(self.tokenize(inp), inp.return_text_in_logprobs)
+        async for item in self.results(states, inp.stream, inp.single):
+            yield item
+
+    async def results(self, states: list[ReqState], stream: bool, single: bool) -> AsyncIterator[dict]:
+        """The final result (a dict, or a list in input order); with stream, a snapshot per update
+        (batch items carry "index"). Aborts unfinished requests if the consumer stops early."""
+        try:
+            if stream:
+                async for item in self._stream(states, single):
+                    yield item
+            else:
+                await asyncio.gather(*(self._wait(st) for st in states))
+                results = [self.result(st) for st in states]
+                yield results[0] if single else results
+        finally:
+            for st in states:
+                if st.finish is None:
+                    self.abort(st.msg.rid)
+
+    async def _wait(self, st: ReqState) -> None:
+        while st.finish is None:
+            st.changed.clear()
+            if st.finish is None:
+                await st.changed.wait()
+
+    async def _stream(self, states: list[ReqState], single: bool) -> AsyncIterator[dict]:
+        pending = set(range(len(states)))
+        while pending:
+            waiters = {asyncio.ensure_future(states[i].changed.wait()): i for i in pending}
+            done, rest = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            for f in rest:
+                f.cancel()
+            for f in done:
+                i = waiters[f]
+                st = states[i]
+                st.changed.clear()
+                snap = self.result(st, delta_logprobs=True)
+                if not single:
+                    snap["index"] = i
+                yield snap
+                if st.finish is not None:
+                    pending.discard(i)
+
+    def result(self, st: ReqState, delta_logprobs: bool = False) -> dict:
+        meta: dict[str, Any] = {
+            "id": st.msg.rid,
+            "finish_reason": st.finish.to_json() if st.finish else None,
+            **st.counts,
+            "e2e_latency": time.perf_counter() - st.created,
+        }
+        if st.msg.return_logprob:
+            def part(key: str, items: list) -> list:
+                if not delta_logprobs:
+                    return items
+                start = st.sent[key]
+                st.sent[key] = len(items)
+                return items[start:]
+
+            def lp(entry) -> list:
+                text = self.tokenizer.decode([entry[1]]) if st.text_in_logprobs and self.tokenizer else None
+                return [entry[0], entry[1], text]
+
+            meta["input_token_logprobs"] = [lp(e) for e in part("in_lp", st.in_lp)]
+            meta["output_token_logprobs"] = [lp(e) for e in part("out_lp", st.out_lp)]
+            if st.msg.top_logprobs_num:
+                meta["input_top_logprobs"] = [None if t is None else [lp(e) for e in t]
+                                              for t in part("in_top", st.in_top)]
+                meta["output_top_logprobs"] = [[lp(e) for e in t] for t in part("out_top", st.out_top)]
+        return {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
+
+    def abort(self, rid: str) -> None:
+        if self.dead is None:
+            self._out.send(self._enc.encode(AbortReq(rid)))
+
+    async def flush_cache(self) -> bool:
+        return (await self._control(FlushCacheReq(uuid.uuid4().hex))).ok
+
+    async def server_info(self) -> dict:
+        return dict((await self._control(ServerInfoReq(uuid.uuid4().hex))).info)
+
+    async def _control(self, msg) -> ControlReply:
+        self._check_alive()
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[msg.req_id] = fut
+        self._out.send(self._enc.encode(msg))
+        return await fut
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise RuntimeDead(self.dead)
+
+    # ---- background tasks -------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        while True:
+            msg = self._dec.decode(await self._in.recv())
+            if isinstance(msg, BatchStrOut):
+                now = time.perf_counter()
+                for so in msg.outs:
+                    st = self.states.get(so.out.rid)
+                    if st is None:
+                        continue
+                    st.apply(so)
+                    if self.metrics is not None:
+                        self.metrics.on_output(st, so.out, now)
+                    if st.finish is not None:
+                        del self.states[so.out.rid]
+                        if self.metrics is not None:
+                            self.metrics.on_finish(st, now)
+            elif isinstance(msg, ControlReply):
+                fut = self._replies.pop(msg.req_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, SchedulerStats):
+                self.last_stats = msg
+                if self.metrics is not None:
+                    self.metrics.on_stats(msg)
+
+    async def _watch_loop(self) -> None:
+        while self.dead is None:
+            await asyncio.sleep(_WATCH_INTERVAL)
+            dead = self.rt.dead()
+            if dead:
+                self._fail(f"runtime process died: {', '.join(dead)}")
+
+    def _fail(self, why: str) -> None:
+        logger.error("%s; failing %d in-flight requests", why, len(self.states))
+        self.dead = why
+        for st in list(self.states.values()):
+            st.finish = FinishReason("abort", message=why)
+            st.changed.set()
+        self.states.clear()
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(RuntimeDead(why))
+        self._replies.clear()
+        if self.on_death is not None:
+            self.on_death(why)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._in.close(0)
+        self._out.close(0)
+        self.ctx.term()
