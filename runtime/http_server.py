@@ -8,9 +8,11 @@ from `openai_api`, the OpenAI API. Errors are 4xx/5xx with an OpenAI-style body
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
+import signal
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -271,7 +273,7 @@ def launch_server(args: ServerArgs) -> int:
     app = create_app(state)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=30, access_log=args.log_level == "debug")
-    server = uvicorn.Server(config)
+    server = _server_class()(config)
     exit_code = 0
 
     def on_death(why: str) -> None:
@@ -282,6 +284,9 @@ def launch_server(args: ServerArgs) -> int:
     state.on_death = on_death
 
     async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # graceful: finish in-flight requests, then exit 0
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
         announce = asyncio.ensure_future(_announce(server, args, start))
         try:
             await server.serve()
@@ -295,6 +300,18 @@ def launch_server(args: ServerArgs) -> int:
     if not server.started and exit_code == 0:
         exit_code = 1  # e.g. the port was taken
     return exit_code
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        # uvicorn re-raises a caught SIGTERM after shutting down (exit by signal); plait handles the
+        # signals itself so a graceful stop exits 0
+        def capture_signals(self):
+            return contextlib.nullcontext()
+
+    return Server
 
 
 async def _announce(server, args: ServerArgs, start: float) -> None:

@@ -106,7 +106,7 @@ def test_cascade_decode_over_a_shared_prefix_matches_transformers(runner, hf_mod
     tails = [tok.encode(t) for t in (" First question: why", " Second one: how do", " Third")]
     assert len(prefix) >= 64
     p_slots = runner.allocator.alloc_extend(-1, 0, len(prefix))
-    rows, items, refs, owned = [], [], [], []
+    rows, refs, owned = [], [], []
     for tail in tails:
         ids = prefix + tail
         row = runner.req_to_token.alloc()

@@ -29,3 +29,16 @@ def test_resolved_fills_auto_values_once():
     assert args.model_path == default_model_path()
     assert args.device == "cpu" and args.dtype in ("float32", "bfloat16")
     assert ServerArgs().dtype == "auto"  # the original is untouched (frozen)
+
+
+def test_config_file_supplies_defaults_and_flags_win(tmp_path):
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text("port: 8123\nmax-running-requests: 7\nenable_metrics: true\napi_key: k\n")
+    args = ServerArgs.parse(["--config", str(cfg), "--port", "9000"])
+    assert args.port == 9000 and args.max_running_requests == 7 and args.enable_metrics and args.api_key == "k"
+    assert args.host == "127.0.0.1"  # SGLang's defaults elsewhere
+    assert ServerArgs.parse([]).port == 30000
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prot: 1\n")
+    with pytest.raises(ValueError, match="prot"):
+        ServerArgs.parse(["--config", str(bad)])
