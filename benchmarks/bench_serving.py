@@ -296,6 +296,9 @@ def main() -> None:
                 results, duration = asyncio.run(run_load(url, backend, convs, ns.max_concurrency, tok))
                 table[w][name] = summarize(results, duration)
                 print(name, w, json.dumps(table[w][name]), flush=True)
+                failed = [r.error for r in results if not r.ok]
+                if failed:
+                    sys.exit(f"{name} failed {len(failed)} requests of {w}, e.g.: {failed[0]}")
         finally:
             _stop(proc)
     lines = [f"$ {command}", "",

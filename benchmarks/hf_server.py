@@ -16,6 +16,9 @@ import threading
 import time
 import uuid
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -27,8 +30,6 @@ def main() -> None:
 
     import torch
     import uvicorn
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
 
     from plait.runtime.server_args import default_model_path
