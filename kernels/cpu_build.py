@@ -39,7 +39,8 @@ def _build(source_path: Path) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found")
-    source = source_path.read_bytes()
+    # headers are part of every kernel's build: a change to any of them rebuilds
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
     digest = hashlib.sha256(source + " ".join([compiler, *_FLAGS, os.uname().machine]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "plait" / "kernels"
     target = cache / f"{source_path.stem}-{digest}.so"

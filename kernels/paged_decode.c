@@ -6,9 +6,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 typedef struct {
   const float *q, *k, *v;
@@ -24,15 +22,6 @@ typedef struct {
 static inline void prefetch_row(const float *row, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(row + i, 0, 1);
 }
-
-#ifdef __AVX2__
-static inline float hsum(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
-  return _mm_cvtss_f32(x);
-}
-#endif
 
 static void run(const Task *t) {
   const int64_t G = t->groups, D = t->dim, Dv = t->vdim, L = t->max_len;

@@ -6,24 +6,13 @@
 // Threads are persistent: creating one per call costs ~50 us, against ~100 us for the call itself.
 #include <omp.h>
 #include <stdint.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 typedef struct {
   const float *x, *w, *bias;
   float *y;
   int64_t m, n, k;
 } Job;
-
-#ifdef __AVX2__
-static inline float hsum(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
-  return _mm_cvtss_f32(x);
-}
-#endif
 
 static inline float dot(const float *a, const float *b, int64_t k) {
   float s = 0.f;

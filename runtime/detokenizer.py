@@ -84,7 +84,7 @@ def run_detokenizer_process(args, addrs, ready) -> None:
 
     import zmq
 
-    from plait.runtime.io_struct import BatchStrOut, BatchTokenOut, StrOut, ToDetokenizer
+    from plait.runtime.io_struct import BatchStrOut, BatchTokenOut, DecodeSpec, StrOut, ToDetokenizer
     from plait.runtime.ipc import Receiver, Sender, die_with_parent, parent_alive
 
     die_with_parent()
@@ -120,12 +120,9 @@ def run_detokenizer_process(args, addrs, ready) -> None:
         for o in msg.outs:
             dec = decoders.get(o.rid)
             if dec is None:
-                spec = o.decode
-                dec = decoders[o.rid] = (
-                    IncrementalDecoder(tokenizer, spec.skip_special_tokens, spec.stop, spec.no_stop_trim,
-                                       spec.spaces_between_special_tokens)
-                    if spec is not None else IncrementalDecoder(tokenizer)
-                )
+                spec = o.decode or DecodeSpec()  # only the first output carries it
+                dec = decoders[o.rid] = IncrementalDecoder(tokenizer, spec.skip_special_tokens, spec.stop,
+                                                           spec.no_stop_trim, spec.spaces_between_special_tokens)
             text = dec.feed(o.new_ids)
             if o.finish is not None:
                 text += dec.finish()

@@ -47,7 +47,7 @@ class Engine:
                             return_text_in_logprobs, stream, rid)
         if stream:
             return self._stream(inp)
-        return self._checked(self._run(self._final(inp)))
+        return self._checked(self._run(self.client.first(self.client.generate(inp))))
 
     async def async_generate(self, prompt: str | list[str] | None = None,
                              sampling_params: dict | list[dict] | None = None,
@@ -60,7 +60,8 @@ class Engine:
                             return_text_in_logprobs, stream, rid)
         if stream:
             return self._astream(inp)
-        return self._checked(await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._final(inp), self._loop)))
+        coro = self.client.first(self.client.generate(inp))
+        return self._checked(await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop)))
 
     def abort(self, rid: str) -> None:
         self._loop.call_soon_threadsafe(self.client.abort, rid)
@@ -91,10 +92,6 @@ class Engine:
     # ---- internals --------------------------------------------------------------------
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    async def _final(self, inp: GenerateInput):
-        async for result in self.client.generate(inp):
-            return result
 
     def _checked(self, result):
         if self.client.dead is not None:

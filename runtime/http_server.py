@@ -119,10 +119,7 @@ def create_app(state: ServerState) -> FastAPI:
         gen = client.results(client.submit(client.tokenize(inp), inp.return_text_in_logprobs), inp.stream, inp.single)
         if inp.stream:
             return StreamingResponse(sse(request, gen), media_type="text/event-stream")
-        result = await first_or_disconnect(request, gen)
-        if client.dead is not None:
-            raise RuntimeDead(client.dead)
-        return JSONResponse(result)
+        return JSONResponse(await first_or_disconnect(request, client, gen))
 
     @app.get("/get_model_info")
     async def get_model_info():
@@ -162,7 +159,7 @@ def create_app(state: ServerState) -> FastAPI:
         ids = [0] if state.client.tokenizer is None else None
         inp = GenerateInput(text=None if ids else "ping", input_ids=ids, sampling_params={"max_new_tokens": 1})
         try:
-            result = await asyncio.wait_for(_first(state.client.generate(inp)), timeout=60)
+            result = await asyncio.wait_for(state.client.first(state.client.generate(inp)), timeout=60)
         except (asyncio.TimeoutError, RuntimeDead):
             return Response(status_code=503)
         ok = result["meta_info"]["finish_reason"]["type"] != "abort"
@@ -209,18 +206,15 @@ async def read_json(request: Request, limit: int) -> dict:
     return data
 
 
-async def _first(gen: AsyncIterator):
-    async for item in gen:
-        await gen.aclose()
-        return item
-
-
-async def first_or_disconnect(request: Request, gen: AsyncIterator):
-    """The generator's first item; a client that hangs up cancels it (which aborts its requests)."""
-    task = asyncio.ensure_future(_first(gen))
+async def first_or_disconnect(request: Request, client: RuntimeClient, gen: AsyncIterator):
+    """The generator's first item; a client that hangs up cancels it (which aborts its requests).
+    Requests cut short by a dead runtime are a 503."""
+    task = asyncio.ensure_future(client.first(gen))
     while True:
         done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL)
         if done:
+            if client.dead is not None:
+                raise RuntimeDead(client.dead)
             return task.result()
         if await request.is_disconnected():
             task.cancel()

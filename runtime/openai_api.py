@@ -18,7 +18,7 @@ from plait.runtime.io_struct import TokenizedGenerateReq
 from plait.runtime.limits import validate_request
 from plait.runtime.openai_protocol import ChatCompletionRequest, CompletionRequest
 from plait.runtime.sampling import SamplingParams
-from plait.runtime.tokenizer_manager import ReqState, RuntimeClient, RuntimeDead
+from plait.runtime.tokenizer_manager import ReqState, RuntimeClient
 
 
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:
@@ -42,13 +42,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         states = client.submit(msgs)
         echo = [client.tokenizer.decode(ids) if req.echo and client.tokenizer else "" for ids in prompts]
         view = _Completion(state, req, states, echo)
-        gen = client.results(states, req.stream, single=False)
-        if req.stream:
-            return StreamingResponse(sse(request, gen, view.chunk), media_type="text/event-stream")
-        await first_or_disconnect(request, gen)
-        if client.dead is not None:
-            raise RuntimeDead(client.dead)
-        return JSONResponse(view.final())
+        return await _respond(request, client, states, view)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -59,16 +53,19 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         states = client.submit([_request(client, ids, req.sampling_params(max_new, i), top, req.stream)
                                 for i in range(req.n)])
         view = _Chat(state, req, states)
-        gen = client.results(states, req.stream, single=False)
-        if req.stream:
-            return StreamingResponse(sse(request, gen, view.chunk), media_type="text/event-stream")
-        await first_or_disconnect(request, gen)
-        if client.dead is not None:
-            raise RuntimeDead(client.dead)
-        return JSONResponse(view.final())
+        return await _respond(request, client, states, view)
 
 
 _START = int(time.time())
+
+
+async def _respond(request: Request, client: RuntimeClient, states: list[ReqState], view: "_View"):
+    """SSE chunks as the requests progress, or one response when they are all done."""
+    gen = client.results(states, view.req.stream, single=False)
+    if view.req.stream:
+        return StreamingResponse(sse(request, gen, view.chunk), media_type="text/event-stream")
+    await first_or_disconnect(request, client, gen)
+    return JSONResponse(view.final())
 
 
 # ---- request building -----------------------------------------------------------------------

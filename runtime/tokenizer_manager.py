@@ -221,6 +221,12 @@ class RuntimeClient:
                 if st.finish is None:
                     self.abort(st.msg.rid)
 
+    async def first(self, gen: AsyncIterator[dict]):
+        """The first item `generate`/`results` yields (the final result when not streaming)."""
+        async for item in gen:
+            await gen.aclose()
+            return item
+
     async def _wait(self, st: ReqState) -> None:
         while st.finish is None:
             st.changed.clear()

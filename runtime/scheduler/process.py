@@ -81,10 +81,7 @@ class _Loop:
             before = self.scheduler.tokens_generated
             self.scheduler.step()
             self._tokens_since += self.scheduler.tokens_generated - before
-            if self.scheduler.idle:
-                self._send_stats(force=True)
-            else:
-                self._send_stats(force=False)
+            self._send_stats(force=self.scheduler.idle)  # once more when it goes idle
 
     def _handle(self, msg) -> None:
         s = self.scheduler
