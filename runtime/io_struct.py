@@ -32,6 +32,7 @@ class FinishReason(msgspec.Struct, frozen=True):
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None
     message: str | None = None
+    status: int | None = None  # an abort caused by the request itself (bad grammar): 400 for the client
 
     def to_json(self) -> dict:
         out: dict = {"type": self.type}

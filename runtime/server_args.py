@@ -35,6 +35,11 @@ class ServerArgs:
     schedule_policy: str = _arg("lpm", "waiting-queue order", ["fcfs", "lpm"])
     disable_radix_cache: bool = _arg(False, "turn off prefix caching")
     random_seed: int = _arg(0, "seed for requests that give none")
+    grammar_backend: str = _arg("xgrammar", "constrained decoding backend for json_schema / regex / ebnf",
+                                ["xgrammar", "outlines", "none"])
+    grammar_cache_size: int = _arg(256, "compiled grammars kept (LRU)")
+    grammar_compile_timeout: float = _arg(30.0, "seconds a grammar may take to compile before its request fails")
+    disable_jump_forward: bool = _arg(False, "sample every token even where the grammar allows only one continuation")
     log_level: str = _arg("info", "logging level", ["debug", "info", "warning", "error"])
     # ---- serving ----
     host: str = _arg("127.0.0.1", "HTTP bind address")
@@ -62,6 +67,10 @@ class ServerArgs:
             raise ValueError(f"max_queued_requests must be >= -1, got {self.max_queued_requests}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
+        if self.grammar_cache_size < 1:
+            raise ValueError(f"grammar_cache_size must be >= 1, got {self.grammar_cache_size}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         for f in dataclasses.fields(self):

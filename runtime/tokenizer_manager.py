@@ -137,6 +137,12 @@ class ReqState:
         self.changed.set()
 
 
+def _raise_if_rejected(st: ReqState) -> None:
+    """The scheduler refused the request itself (e.g. an invalid grammar): a ValueError (400)."""
+    if st.finish is not None and st.finish.type == "abort" and st.finish.status == 400:
+        raise ValueError(st.finish.message or "invalid request")
+
+
 class RuntimeClient:
     """Talks to the scheduler and detokenizer processes of one runtime. Create it on the loop
     that will use it, after `launch_runtime`."""
@@ -214,6 +220,8 @@ class RuntimeClient:
                     yield item
             else:
                 await asyncio.gather(*(self._wait(st) for st in states))
+                for st in states:
+                    _raise_if_rejected(st)
                 results = [self.result(st) for st in states]
                 yield results[0] if single else results
         finally:
@@ -244,6 +252,7 @@ class RuntimeClient:
                 i = waiters[f]
                 st = states[i]
                 st.changed.clear()
+                _raise_if_rejected(st)
                 snap = self.result(st, delta_logprobs=True)
                 if not single:
                     snap["index"] = i

@@ -24,13 +24,14 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
-    # SGLang's keys that plait accepts but cannot honour yet: null or default only (the sglang
-    # frontend always sends them), anything else is refused rather than silently ignored
-    n: int = 1
-    stop_regex: str | list[str] | None = None
+    # at most one grammar constraint (compiled by the scheduler's grammar backend)
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    # SGLang's keys that plait accepts but cannot honour: null or default only (the sglang
+    # frontend always sends them), anything else is refused rather than silently ignored
+    n: int = 1
+    stop_regex: str | list[str] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
@@ -80,11 +81,19 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             bad("stop_token_ids", "must be non-negative token ids")
         if self.n != 1:
             bad("n", "must be 1 (send a batch, or use the OpenAI API's n)")
-        for name in ("regex", "json_schema", "ebnf"):
-            if getattr(self, name) is not None:
-                bad(name, "needs a grammar backend, which this server does not have yet")
+        given = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"sampling_params: give at most one of regex, json_schema, ebnf; got {given}")
         if self.stop_regex:
             bad("stop_regex", "is not supported")
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the constraint, if any."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            if getattr(self, kind) is not None:
+                return kind, getattr(self, kind)
+        return None
 
     @property
     def is_greedy(self) -> bool:

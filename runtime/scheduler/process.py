@@ -89,7 +89,7 @@ class _Loop:
             try:
                 s.add_request(msg)
             except ValueError as e:  # the client validates first; this is the last line of defence
-                self.out.send(BatchTokenOut([TokenOut(msg.rid, [], FinishReason("abort", message=str(e)),
+                self.out.send(BatchTokenOut([TokenOut(msg.rid, [], FinishReason("abort", message=str(e), status=400),
                                                       len(msg.input_ids), 0, 0)]))
         elif isinstance(msg, AbortReq):
             s.abort(msg)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from typing import Callable
 
 import torch
@@ -21,6 +22,7 @@ from plait.runtime.io_struct import AbortReq, DecodeSpec, FinishReason, Tokenize
 from plait.runtime.limits import RuntimeLimits, validate_request
 from plait.runtime.model_runner import ModelRunner, WorkItem
 from plait.runtime.sampling import SampleRow, sample
+from plait.runtime.scheduler.grammar_manager import GrammarManager, Masks
 from plait.runtime.scheduler.kv_manager import KVManager
 from plait.runtime.scheduler.policy import order_waiting
 from plait.runtime.scheduler.req import Req
@@ -55,6 +57,7 @@ class Scheduler:
         self.num_retracted = 0
         self.forward_passes = 0
         self.tokens_generated = 0
+        self.grammars = GrammarManager(args, self.tokenizer, runner.config.vocab_size, sorted(eos))
         self.limits = RuntimeLimits(self.context_length, runner.allocator.capacity, runner.config.vocab_size,
                                     sum(p.numel() * p.element_size() for p in runner.model.parameters()))
 
@@ -62,10 +65,15 @@ class Scheduler:
     def add_request(self, msg: TokenizedGenerateReq) -> None:
         validate_request(msg, self.limits)
         self._seed_counter += 1
-        self.waiting.append(Req(msg, self._seed_counter))
+        req = Req(msg, self._seed_counter)
+        spec = req.params.grammar
+        if spec is None:
+            self.waiting.append(req)
+        else:  # parked until its grammar compiles
+            self.grammars.submit(req, *spec)
 
     def abort(self, msg: AbortReq) -> None:
-        for queue in (self.waiting, self.running):
+        for queue in (self.grammars.compiling, self.waiting, self.running):
             for req in queue:
                 if req.rid == msg.rid and req.finish is None:
                     req.finish = FinishReason("abort", message="aborted")
@@ -73,23 +81,30 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.grammars.compiling
 
     # ---- the loop body --------------------------------------------------------------
     def step(self) -> bool:
         """Run one forward if there is work. Returns False when idle."""
         if self.idle:
             return False
+        if self.grammars.compiling:
+            self.waiting.extend(self.grammars.poll())
+            self._reap()  # reports the ones whose grammar failed
         decoding = self._reserve_decode()
         prefill = self._admit(budget=self.args.max_prefill_tokens - len(decoding))
         batch = prefill + decoding
         if not batch:
-            self._unstick()
+            if self.waiting or self.running:
+                self._unstick()
+            elif self.grammars.compiling:  # nothing to run until a grammar is ready
+                self.grammars.wait()
             return not self.idle
         items = [self._work_item(req, n) for req, n in batch]
+        masks = self.grammars.start_masks([r for r, n in batch if r.cached_len + n == r.seq_len])
         logits = self.runner.forward(items)
         self.forward_passes += 1
-        self._process(batch, items, logits)
+        self._process(batch, items, logits, masks)
         self.new_token_ratio = max(_RATIO_MIN, self.new_token_ratio - _RATIO_DECAY)
         return True
 
@@ -119,6 +134,7 @@ class Scheduler:
         return candidates[-1] if candidates else None
 
     def _retract(self, req: Req) -> None:
+        self.grammars.drop_draft(req)
         self.kv.release(req)  # its computed tokens stay in the cache: resuming is cheap
         self.running.remove(req)
         self.waiting.insert(0, req)
@@ -133,6 +149,8 @@ class Scheduler:
         for req in self.running:  # continue chunked prefills first
             if req.pending_len > 1 and budget > 0:
                 n = min(req.pending_len, chunk_cap, budget)
+                if req.draft and n < req.pending_len:
+                    continue  # a draft is verified in one forward
                 if not self.kv.reserve(req, n):
                     break
                 out.append((req, n))
@@ -193,13 +211,15 @@ class Scheduler:
             # logits at position p score prompt token p+1
             lo, hi = max(lp_start, 1) - 1, req.prompt_len - 1
             offsets = [p - start for p in range(max(lo, start), min(hi, start + n))]
-        if start + n == req.seq_len:
-            offsets.append(n - 1)
+        if start + n == req.seq_len:  # logits at the last token, and at each draft token before it
+            offsets.extend(range(n - 1 - len(req.draft), n))
         req.extend_len = n
         return WorkItem(req.row, start, tokens, offsets)
 
-    def _process(self, batch: list[tuple[Req, int]], items: list[WorkItem], logits: torch.Tensor) -> None:
+    def _process(self, batch: list[tuple[Req, int]], items: list[WorkItem], logits: torch.Tensor,
+                 masks: Future | None) -> None:
         to_sample: list[tuple[Req, int]] = []
+        to_verify: list[tuple[Req, int]] = []
         row = 0
         for (req, n), item in zip(batch, items):
             nrows = len(item.logit_offsets)
@@ -209,13 +229,22 @@ class Scheduler:
             if req.cached_len == req.seq_len:
                 if req.params.max_new_tokens == 0:
                     req.finish = FinishReason("length")  # prefill-only: the prompt is now cached
+                elif req.draft:
+                    to_verify.append((req, row + nrows - 1 - len(req.draft)))
                 else:
                     to_sample.append((req, row + nrows - 1))
-            if n > 1:
+            if n > 1 and not req.draft:
                 self.kv.cache_prefix(req)  # siblings waiting on this prefix can share it now
             row += nrows
+        mask_rows = masks.result() if masks is not None else None
         if to_sample:
-            self._sample(to_sample, logits)
+            self._sample(to_sample, logits, mask_rows)
+        for req, first in to_verify:
+            before = req.output_len - len(req.draft)
+            self.grammars.verify(req, logits[first : first + len(req.draft) + 1], mask_rows, self.eos_ids,
+                                 self.context_length)
+            self.tokens_generated += req.output_len - before
+            self.kv.cache_prefix(req)  # only tokens the model confirmed
         self._reap()
 
     def _record_input_logprobs(self, req: Req, item: WorkItem, rows: torch.Tensor) -> None:
@@ -237,16 +266,20 @@ class Scheduler:
         if req.cached_len >= req.prompt_len:
             req.input_logprobs_done = True
 
-    def _sample(self, to_sample: list[tuple[Req, int]], logits: torch.Tensor) -> None:
+    def _sample(self, to_sample: list[tuple[Req, int]], logits: torch.Tensor,
+                masks: Masks | None) -> None:
         rows = []
         for req, _ in to_sample:
             p = req.params
             banned = []
-            if req.output_len < p.min_new_tokens:
+            if req.output_len < p.min_new_tokens and req.grammar is None:  # a grammar decides where it ends
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_ids))
             rows.append(SampleRow(p, req.generator, req.output_ids, req.origin_input_ids, banned,
                                   req.return_logprob, req.top_logprobs_num if req.return_logprob else 0))
-        result = sample(logits[[i for _, i in to_sample]], rows)
+        selected = logits[[i for _, i in to_sample]]
+        if masks is not None:
+            self.grammars.apply(selected, [req for req, _ in to_sample], masks)
+        result = sample(selected, rows)
         for k, (req, _) in enumerate(to_sample):
             tok = result.next_ids[k]
             req.output_ids.append(tok)
@@ -257,7 +290,10 @@ class Scheduler:
                 if result.top_logprobs is not None and req.top_logprobs_num:
                     vals, ids = result.top_logprobs[k]
                     req.pending_top.append(list(zip(vals, ids)))
-            req.check_finished(self.eos_ids, self.tokenizer, self.context_length)
+            if req.grammar is not None:
+                self.grammars.on_token(req, tok, self.eos_ids, self.context_length)
+            else:
+                req.check_finished(self.eos_ids, self.tokenizer, self.context_length)
 
     def _reap(self) -> None:
         """Emit progress; release finished requests."""
@@ -268,6 +304,8 @@ class Scheduler:
             if req.finish is not None:
                 self.kv.release(req)
                 self.running.remove(req)
+        if self.grammars.compiling:
+            self.waiting.extend(self.grammars.poll())  # picks up requests aborted while compiling
         for req in [r for r in self.waiting if r.finish is not None]:
             self.waiting.remove(req)
             self.kv.release(req)
@@ -316,4 +354,5 @@ class Scheduler:
             "num_retracted": self.num_retracted,
             "forward_passes": self.forward_passes,
             "tokens_generated": self.tokens_generated,
+            **self.grammars.stats(),
         }

@@ -1,0 +1,30 @@
+"""Packed token bitmasks (bit j of word w allows token 32*w + j), filled per request and
+applied to a whole batch of logits in one vectorized op."""
+
+from __future__ import annotations
+
+import torch
+
+from plait.runtime.constrained.base import bitmask_words
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
+    return torch.full((batch, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(batch, words) int32 -> (batch, vocab) bool of allowed tokens."""
+    bits = (bitmask.unsqueeze(-1) >> _SHIFTS.to(bitmask.device)) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set disallowed tokens' logits to -inf, in place (rows of logits and bitmask correspond)."""
+    if logits.is_cuda:
+        from plait.kernels.triton_bitmask import apply_token_bitmask_triton
+
+        apply_token_bitmask_triton(logits, bitmask)
+        return
+    logits.masked_fill_(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))

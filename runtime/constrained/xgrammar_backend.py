@@ -1,0 +1,92 @@
+"""xgrammar backend: JSON schema, regex and EBNF, compiled to a pushdown automaton with a
+token mask cache; jump-forward strings come from the matcher itself."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from plait.runtime.constrained.base import GrammarBackend, GrammarError, Matcher
+from plait.runtime.constrained.schema_policy import prepare_schema
+
+_MAX_ROLLBACK = 64
+
+
+class XGrammarMatcher(Matcher):
+    def __init__(self, compiled, accepted: list[int] | None = None):
+        import xgrammar as xgr
+
+        self._compiled = compiled
+        self._m = xgr.GrammarMatcher(compiled, max_rollback_tokens=_MAX_ROLLBACK)
+        self._accepted: list[int] = []  # for copy(); only the tail a rollback can reach matters
+        for t in accepted or []:
+            self.accept_token(t)
+
+    def accept_token(self, token: int) -> bool:
+        ok = self._m.accept_token(token)
+        if ok:
+            self._accepted.append(token)
+        return ok
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._m.rollback(num_tokens)
+            del self._accepted[-num_tokens:]
+
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+    def jump_forward_string(self) -> str:
+        return self._m.find_jump_forward_string()
+
+    def copy(self) -> "XGrammarMatcher":
+        return XGrammarMatcher(self._compiled, self._accepted)
+
+
+class _Compiled:
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def matcher(self) -> XGrammarMatcher:
+        return XGrammarMatcher(self.compiled)
+
+
+class XGrammarBackend(GrammarBackend):
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_ids))
+        # plait keeps its own LRU (GrammarCache), so xgrammar's cache would only double the memory
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def compile(self, kind: str, text: str) -> _Compiled:
+        try:
+            if kind == "json_schema":
+                schema = prepare_schema(text, self.name)
+                # compact separators: no whitespace for a small model to ramble in
+                g = self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+            elif kind == "regex":
+                g = self._compiler.compile_regex(text)
+            else:
+                g = self._compiler.compile_grammar(text)
+        except GrammarError:
+            raise
+        except (RuntimeError, ValueError) as e:
+            raise GrammarError(f"invalid {kind}: {_clean(e)}") from None
+        return _Compiled(g)
+
+
+def _clean(e: Exception) -> str:
+    """xgrammar prefixes its messages with a timestamp and a C++ source location."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if msg.startswith("[") and ": " in msg:
+        msg = msg.split(": ", 1)[1]
+        if ".cc:" in msg.split(" ", 1)[0]:
+            msg = msg.split(": ", 1)[-1]
+    return msg

@@ -1,0 +1,173 @@
+"""GrammarManager: the scheduler's constrained-decoding side.
+
+- parks constrained requests until their grammar compiles (thread pool, LRU cache), failing
+  bad grammars and slow compiles with a 400;
+- fills the batch's token bitmasks on a worker thread while the forward runs;
+- advances each request's matcher over its sampled token and plans jump-forward drafts;
+- verifies drafts against the model's own picks (constrained/jump_forward.py).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+
+import torch
+
+from plait.runtime.constrained import GrammarCache, GrammarError, create_backend
+from plait.runtime.constrained.bitmask import allocate_bitmask, apply_token_bitmask_
+from plait.runtime.constrained.jump_forward import accepted_prefix, plan_draft
+from plait.runtime.io_struct import FinishReason
+from plait.runtime.sampling import SampleRow, sample
+from plait.runtime.scheduler.req import Req
+from plait.runtime.server_args import ServerArgs
+
+# bitmask rows of one step: (bitmask, {id(req): first row}); a drafting request has 1 + len(draft) rows
+Masks = tuple[torch.Tensor, dict[int, int]]
+
+
+class GrammarManager:
+    def __init__(self, args: ServerArgs, tokenizer, vocab_size: int, eos_ids: list[int]):
+        self.args = args
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        backend = create_backend(args.grammar_backend, tokenizer, vocab_size, eos_ids)
+        self.cache = GrammarCache(backend, args.grammar_cache_size) if backend else None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask") if backend else None
+        self.compiling: list[Req] = []
+        self.tokens_jumped = 0  # draft tokens the model confirmed
+        self.drafted = 0
+
+    # ---- compile ---------------------------------------------------------------------------
+    def submit(self, req: Req, kind: str, text: str) -> None:
+        if self.cache is None:
+            raise ValueError(f"sampling_params.{kind} needs a grammar backend (the server runs with --grammar-backend none)")
+        req.grammar_future = self.cache.get(kind, text)
+        self.compiling.append(req)
+
+    def poll(self) -> list[Req]:
+        """Requests leaving the compile queue: ready, or finished with the reason they failed."""
+        now = time.perf_counter()
+        out = []
+        for req in list(self.compiling):
+            fut = req.grammar_future
+            if req.finish is not None:
+                pass  # aborted while compiling
+            elif fut.done():
+                err = fut.exception()
+                if err is None:
+                    req.grammar = fut.result().matcher()
+                else:
+                    msg = str(err) if isinstance(err, GrammarError) else f"grammar compile failed: {err!r}"
+                    req.finish = FinishReason("abort", message=msg, status=400)
+            elif now - req.arrival > self.args.grammar_compile_timeout:
+                req.finish = FinishReason("abort", status=400, message=(
+                    f"the {req.params.grammar[0]} did not compile within --grammar-compile-timeout "
+                    f"({self.args.grammar_compile_timeout:g} s)"))
+            else:
+                continue
+            self.compiling.remove(req)
+            req.grammar_future = None
+            out.append(req)
+        return out
+
+    def wait(self, timeout: float = 0.005) -> None:
+        wait_futures([r.grammar_future for r in self.compiling], timeout=timeout, return_when="FIRST_COMPLETED")
+
+    # ---- masks -----------------------------------------------------------------------------
+    def start_masks(self, sampling: list[Req]) -> Future | None:
+        """Fill the masks of the constrained requests among `sampling` on the worker thread (the
+        forward runs meanwhile). A drafting request gets one row per draft position, its
+        matcher stepping through the draft; `verify` rolls back what the model rejects."""
+        reqs = [r for r in sampling if r.grammar is not None]
+        if not reqs:
+            return None
+
+        def fill() -> Masks:
+            first, n = {}, 0
+            for r in reqs:
+                first[id(r)] = n
+                n += 1 + len(r.draft)
+            bitmask = allocate_bitmask(n, self.vocab_size)
+            for r in reqs:
+                row = first[id(r)]
+                r.grammar.fill_bitmask(bitmask, row)
+                for i, t in enumerate(r.draft):
+                    r.grammar.accept_token(t)  # checked when the draft was planned
+                    r.grammar.fill_bitmask(bitmask, row + 1 + i)
+            return bitmask, first
+
+        return self._pool.submit(fill)
+
+    @staticmethod
+    def apply(logits: torch.Tensor, reqs: list[Req], masks: Masks) -> None:
+        """Mask the rows of `logits` (row k belongs to reqs[k]) in one op."""
+        bitmask, first = masks
+        ks = [k for k, r in enumerate(reqs) if id(r) in first]
+        if not ks:
+            return
+        sub = logits[ks]
+        apply_token_bitmask_(sub, bitmask[[first[id(reqs[k])] for k in ks]])
+        logits[ks] = sub
+
+    # ---- tokens ----------------------------------------------------------------------------
+    def on_token(self, req: Req, tok: int, eos_ids: set[int], context_length: int) -> None:
+        """Advance the matcher over a sampled token; finish or plan the next draft."""
+        if not req.grammar.accept_token(tok):  # the mask makes this unreachable; never emit invalid output
+            req.finish = FinishReason("abort", message=f"the grammar rejected token {tok}")
+            return
+        if req.grammar.is_terminated():
+            req.finish = FinishReason("stop", matched=tok)
+            return
+        req.check_finished(eos_ids, self.tokenizer, context_length)
+        if req.finish is not None:
+            if req.finish.type == "length":
+                req.finish = FinishReason("length", message=(
+                    "max_new_tokens (or the context length) was reached before the grammar's end was generated"))
+            return
+        if self.args.disable_jump_forward or req.return_logprob or req.params.has_penalties:
+            return  # logprobs and penalties are per sampled token: no drafts for them
+        # leave room for the token sampled after the draft
+        room = min(req.params.max_new_tokens - req.output_len, context_length - req.seq_len) - 1
+        req.draft = plan_draft(req.grammar, self.tokenizer, room)
+        req.output_ids.extend(req.draft)
+        self.drafted += len(req.draft)
+
+    def verify(self, req: Req, rows: torch.Tensor, masks: Masks, eos_ids: set[int], context_length: int) -> None:
+        """rows: logits at the last sampled token and at each draft position (1 + len(draft))."""
+        draft = req.draft
+        rows = rows.clone()
+        bitmask, first = masks
+        row = first[id(req)]
+        apply_token_bitmask_(rows, bitmask[row : row + len(rows)])
+        if req.params.is_greedy:
+            chosen = rows.argmax(-1).tolist()
+        else:
+            sr = SampleRow(req.params, req.generator, req.output_ids, req.origin_input_ids, [], False, 0)
+            chosen = sample(rows, [sr] * len(rows)).next_ids
+        m = accepted_prefix(draft, chosen)
+        rejected = len(draft) - m
+        req.grammar.rollback(rejected)
+        if rejected:
+            del req.output_ids[-rejected:]
+        req.pending_ids.extend(draft[:m])
+        self.tokens_jumped += m
+        req.draft = []
+        req.cached_len = req.seq_len  # every kept token was computed in this forward
+        tok = chosen[m]
+        req.output_ids.append(tok)
+        req.pending_ids.append(tok)
+        self.on_token(req, tok, eos_ids, context_length)
+
+    def drop_draft(self, req: Req) -> None:
+        """Forget an unverified draft (the request is being retracted)."""
+        if req.draft:
+            del req.output_ids[-len(req.draft):]
+            req.draft = []
+
+    def stats(self) -> dict:
+        return {"num_compiling": len(self.compiling), "tokens_jumped": self.tokens_jumped,
+                "tokens_drafted": self.drafted,
+                "grammar_cache_hits": self.cache.hits if self.cache else 0,
+                "grammar_cache_misses": self.cache.misses if self.cache else 0}
