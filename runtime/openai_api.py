@@ -19,6 +19,8 @@ from plait.runtime.limits import validate_request
 from plait.runtime.openai_protocol import ChatCompletionRequest, CompletionRequest
 from plait.runtime.sampling import SamplingParams
 from plait.runtime.tokenizer_manager import ReqState, RuntimeClient
+from plait.runtime.tool_calls import (parse_constrained, parse_free, template_renders_tools, tool_call_schema,
+                                      tools_system_prompt)
 
 
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:
@@ -50,8 +52,9 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         ids = _chat_prompt(client, req)
         max_new = _max_new_tokens(client, len(ids), req.max_completion_tokens or req.max_tokens)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        states = client.submit([_request(client, ids, req.sampling_params(max_new, i), top, req.stream)
-                                for i in range(req.n)])
+        forced = _forced_tool_schema(req)
+        params = [{**req.sampling_params(max_new, i), **forced} for i in range(req.n)]
+        states = client.submit([_request(client, ids, params[i], top, req.stream) for i in range(req.n)])
         view = _Chat(state, req, states)
         return await _respond(request, client, states, view)
 
@@ -89,11 +92,47 @@ def _chat_prompt(client: RuntimeClient, req: ChatCompletionRequest) -> list[int]
     tok = client.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise HTTPError(400, "this model has no chat template: use /v1/completions")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+    messages = [_message(m) for m in req.messages]
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.tool_mode() != "none":
+        if template_renders_tools(tok):
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        else:  # tell the model about its tools in a system message of our own
+            note = tools_system_prompt(req.tools)
+            if messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + note}
+            else:
+                messages.insert(0, {"role": "system", "content": note})
     continue_final = req.continue_final_message and messages[-1]["role"] == "assistant"
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continue_final,
-                                   continue_final_message=continue_final, **(req.chat_template_kwargs or {}))
+                                   continue_final_message=continue_final, **kwargs)
     return tok.encode(text, add_special_tokens=False)
+
+
+def _message(m) -> dict:
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if not out["content"]:  # templates without tool support still show the call
+            out["content"] = "\n".join(f'<tool_call>{{"name": "{c.function.name}", "arguments": {c.function.arguments}}}'
+                                       "</tool_call>" for c in m.tool_calls)
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _forced_tool_schema(req: ChatCompletionRequest) -> dict:
+    """The json_schema constraint for tool_choice 'required' or a named function."""
+    mode = req.tool_mode()
+    if mode not in ("required", "named"):
+        return {}
+    if req.grammar():
+        raise HTTPError(400, "tool_choice 'required' or a named function cannot be combined with "
+                             "response_format, regex or ebnf")
+    name = req.tool_choice.function.name if mode == "named" else None
+    return {"json_schema": tool_call_schema(req.tools, mode, name, req.parallel_tool_calls)}
 
 
 def _max_new_tokens(client: RuntimeClient, prompt_len: int, requested: int | None) -> int:
@@ -220,6 +259,22 @@ class _Chat(_View):
     def __init__(self, state, req: ChatCompletionRequest, states):
         super().__init__(state, req, states)
         self.role_sent = [False] * len(states)
+        self.tool_mode = req.tool_mode()
+
+    def _message(self, st: ReqState) -> tuple[dict, str | None]:
+        """The assistant message and finish reason, with tool calls parsed out where tools are on."""
+        finish = _finish(st)
+        if self.tool_mode == "none" or finish == "abort":
+            return {"role": "assistant", "content": st.text}, finish
+        if self.tool_mode in ("required", "named"):
+            if finish != "stop":  # cut short: not a complete call
+                return {"role": "assistant", "content": st.text}, finish
+            content, calls = None, parse_constrained(st.text)
+        else:
+            content, calls = parse_free(st.text, self.req.tools)
+        if not calls:
+            return {"role": "assistant", "content": content}, finish
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
     def _logprobs(self, lps: list, tops: list) -> dict | None:
         if not self.req.logprobs:
@@ -235,11 +290,46 @@ class _Chat(_View):
         return {"content": content}
 
     def final(self) -> dict:
-        choices = [{"index": i, "message": {"role": "assistant", "content": st.text},
-                    "logprobs": self._logprobs(st.out_lp, st.out_top), "finish_reason": _finish(st)}
-                   for i, st in enumerate(self.states)]
+        choices = []
+        for i, st in enumerate(self.states):
+            message, finish = self._message(st)
+            choices.append({"index": i, "message": message, "logprobs": self._logprobs(st.out_lp, st.out_top),
+                            "finish_reason": finish})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": _usage(self.states, self.req.n)}
+
+    def chunk(self, snap: dict) -> list[dict]:
+        if self.tool_mode == "none":
+            return super().chunk(snap)
+        # with tools, the text is only known to be a call or content once it is complete
+        i = snap["index"]
+        st = self.states[i]
+        if st.finish is None:
+            return []
+        self.sent_text[i] = len(st.text)
+        message, finish = self._message(st)
+        out = []
+        if "tool_calls" in message:
+            for k, call in enumerate(message["tool_calls"]):
+                fn = call["function"]
+                out.append(self._delta(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                                           "function": {"name": fn["name"], "arguments": ""}}]}))
+                out.append(self._delta(i, {"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]}))
+        elif message["content"]:
+            out.append(self._delta(i, {"content": message["content"]}))
+        out.append(self._delta(i, {}, finish))
+        self.done[i] = True
+        if all(self.done) and self.req.stream_options and self.req.stream_options.include_usage:
+            out.append({"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                        "choices": [], "usage": _usage(self.states, self.req.n)})
+        return out
+
+    def _delta(self, i: int, d: dict, finish: str | None = None) -> dict:
+        if not self.role_sent[i]:
+            d = {"role": "assistant", **d}
+            self.role_sent[i] = True
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [{"index": i, "delta": d, "logprobs": None, "finish_reason": finish}]}
 
     def _chunk(self, i: int, delta: str, finish: str | None) -> dict:
         d: dict[str, Any] = {"content": delta}

@@ -1,19 +1,73 @@
 """Request bodies of the OpenAI API (pydantic, so a bad field is a 400 naming it).
 
-Fields plait does not serve yet are rejected with a message rather than silently ignored.
+Fields plait does not serve are rejected with a message rather than silently ignored.
 SGLang/vLLM extras are accepted: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, skip_special_tokens, regex, ebnf.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # plait always enforces the schema
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def schema_text(self) -> str | None:
+        if self.type == "json_object":
+            return '{"type": "object"}'  # any object (constrained/schema_policy.py)
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise ValueError("response_format.json_schema.schema is required for type 'json_schema'")
+            return json.dumps(self.json_schema.schema_)
+        return None
+
+
+class FunctionDef(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class _Common(BaseModel):
@@ -42,6 +96,7 @@ class _Common(BaseModel):
     no_stop_trim: bool = False
     regex: str | None = None
     ebnf: str | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -50,9 +105,17 @@ class _Common(BaseModel):
             raise ValueError("logit_bias is not supported")
         return v
 
+    def grammar(self) -> dict[str, str]:
+        """The one grammar constraint of the request, as sampling_params keys."""
+        given = {k: v for k, v in (("regex", self.regex), ("ebnf", self.ebnf)) if v is not None}
+        schema = self.response_format.schema_text() if self.response_format else None
+        if schema is not None:
+            given["json_schema"] = schema
+        if len(given) > 1:
+            raise ValueError(f"give at most one of regex, ebnf, response_format; got {sorted(given)}")
+        return given
+
     def sampling_params(self, max_new_tokens: int, index: int) -> dict[str, Any]:
-        if self.regex is not None or self.ebnf is not None:
-            raise ValueError("regex and ebnf constraints need a grammar backend, which this server does not have yet")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         p: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
@@ -76,6 +139,7 @@ class _Common(BaseModel):
             p["stop_token_ids"] = self.stop_token_ids
         if self.seed is not None:
             p["seed"] = self.seed + index  # n choices with one seed still differ, reproducibly
+        p.update(self.grammar())
         return p
 
 
@@ -114,6 +178,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -132,23 +198,26 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @field_validator("response_format")
-    @classmethod
-    def _only_text(cls, v):
-        if v and v.get("type") not in (None, "text"):
-            raise ValueError(f"response_format {v.get('type')!r} needs a grammar backend, which this server "
-                             "does not have yet")
-        return v
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools {names}")
+        elif self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools need a grammar backend, which this server does not have yet")
-        return v
+    def tool_mode(self) -> str:
+        """'none', 'auto', 'required' or 'named'."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"

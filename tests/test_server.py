@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 
@@ -242,7 +243,12 @@ def test_disconnect_mid_stream_frees_kv(server, http):
     ("/generate", b'{"text": "hi", "sampling_params": ', 400, "not valid JSON"),
     ("/generate", {"text": "hi", "sampling_params": {"max_tokens": 3}}, 400, "max_tokens"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, 400, "temperature"),
-    ("/generate", {"text": "hi", "sampling_params": {"regex": "a+"}}, 400, "regex"),
+    ("/generate", {"text": "hi", "sampling_params": {"regex": "(a+"}}, 400, "invalid regex"),
+    ("/generate", {"text": "hi", "sampling_params": {"json_schema": '{"not": {}}'}}, 400, "'not' at #/not"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema"}}, 400, "schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
+     "needs tools"),
     ("/generate", {"text": "hi", "bogus": 1}, 400, "bogus"),
     ("/generate", {"input_ids": list(range(9000))}, 400, "context length"),
     ("/generate", {"text": 5}, 400, "text"),
@@ -336,3 +342,95 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+# ---- structured output ------------------------------------------------------------------------
+def test_generate_json_schema_and_regex(http):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "population"]}
+    out = http.post("/generate", json={"text": "A city as JSON: ", "sampling_params": {
+        "json_schema": json.dumps(schema), "temperature": 0.7, "max_new_tokens": 64}}).json()
+    data = json.loads(out["text"])
+    assert isinstance(data["city"], str) and isinstance(data["population"], int) and data["population"] >= 0
+    out = http.post("/generate", json={"text": "Phone: ", "sampling_params": {
+        "regex": r"\(\d{3}\) \d{3}-\d{4}", "max_new_tokens": 20}}).json()
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", out["text"])
+
+
+def test_openai_response_format_parses_into_the_model(oai):
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):  # bounded strings: a 135M model may otherwise ramble inside one
+        name: str = Field(max_length=40)
+        age: int
+        languages: list[str] = Field(max_length=4)
+
+    done = oai.chat.completions.parse(model="default", response_format=Person, temperature=0, max_tokens=128,
+                                      messages=[{"role": "user", "content": "Describe a programmer as JSON."}])
+    person = done.choices[0].message.parsed
+    assert isinstance(person, Person) and done.choices[0].finish_reason == "stop"
+    obj = oai.chat.completions.create(model="default", response_format={"type": "json_object"}, max_tokens=96,
+                                      messages=[{"role": "user", "content": "Give me a JSON object."}], temperature=0)
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a timezone",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 30}}, "required": ["tz"]}}}
+
+
+def test_openai_forced_tool_calls(oai):
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = oai.chat.completions.create(model="default", messages=msgs, tools=[WEATHER, TIME], temperature=0,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and call.id and args["unit"] in ("celsius", "fahrenheit")
+    required = oai.chat.completions.create(model="default", messages=msgs, tools=[WEATHER, TIME],
+                                           tool_choice="required", temperature=0.7, seed=3)
+    calls = required.choices[0].message.tool_calls
+    assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
+    for c in calls:
+        json.loads(c.function.arguments)
+    # the call goes back into the conversation with its result
+    follow = oai.chat.completions.create(model="default", max_tokens=24, temperature=0, messages=[
+        *msgs, {"role": "assistant", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}])
+    assert follow.choices[0].message.content
+
+
+def test_openai_streamed_tool_call_deltas_reassemble(oai):
+    stream = oai.chat.completions.create(model="default", tools=[WEATHER], tool_choice="required", stream=True,
+                                         messages=[{"role": "user", "content": "Weather in Oslo?"}], temperature=0)
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        for d in choice.delta.tool_calls or []:
+            c = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            if d.function.name:
+                c["name"] += d.function.name
+            c["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls" and calls[0]["name"] == "get_weather"
+    assert set(json.loads(calls[0]["arguments"])) == {"city", "unit"}
+
+
+def test_openai_auto_tool_choice_parses_calls(oai):
+    out = oai.chat.completions.create(model="default", tools=[WEATHER], tool_choice="auto", max_tokens=64,
+                                      temperature=0, messages=[{"role": "user", "content": "Weather in Rome?"}])
+    msg = out.choices[0].message
+    # the model may answer or call; either way the response is well formed
+    if msg.tool_calls:
+        assert out.choices[0].finish_reason == "tool_calls"
+        json.loads(msg.tool_calls[0].function.arguments)
+    else:
+        assert msg.content is not None

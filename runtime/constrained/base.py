@@ -8,6 +8,7 @@ scheduler never waits on one: it parks the request until its future is done.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,35 +62,52 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+class Compile:
+    """One compile on the pool: its future and when it started running (None while queued)."""
+
+    def __init__(self):
+        self.future: Future | None = None
+        self.started: float | None = None
+
+    def elapsed(self) -> float:
+        return 0.0 if self.started is None else time.perf_counter() - self.started
+
+
 class GrammarCache:
-    """Compiled grammars by (kind, text): a bounded LRU of futures filled by a thread pool.
+    """Compiled grammars by (kind, text): a bounded LRU of compiles run by a thread pool.
     Failures are cached too, so a bad grammar sent again fails at once."""
 
-    def __init__(self, backend: GrammarBackend, capacity: int, workers: int = 1):
+    def __init__(self, backend: GrammarBackend, capacity: int, workers: int = 2):
         self.backend = backend
         self.capacity = capacity
-        self._entries: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, str], Compile] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
         self.hits = 0
         self.misses = 0
 
-    def get(self, kind: str, text: str) -> Future:
+    def get(self, kind: str, text: str) -> Compile:
         if kind not in KINDS:
             raise GrammarError(f"unknown grammar kind {kind!r}")
         key = (kind, text)
         with self._lock:
-            fut = self._entries.get(key)
-            if fut is not None:
+            entry = self._entries.get(key)
+            if entry is not None:
                 self._entries.move_to_end(key)
                 self.hits += 1
-                return fut
+                return entry
             self.misses += 1
-            fut = self._pool.submit(self.backend.compile, kind, text)
-            self._entries[key] = fut
+            entry = Compile()
+
+            def run():
+                entry.started = time.perf_counter()
+                return self.backend.compile(kind, text)
+
+            entry.future = self._pool.submit(run)
+            self._entries[key] = entry
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
-            return fut
+            return entry
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 from plait.runtime.constrained.base import GrammarError
@@ -31,13 +32,22 @@ _ANNOTATIONS = {
     "deprecationMessage", "errorMessage", "enumDescriptions", "markdownEnumDescriptions", "x-intellij-html-description",
     "defaultSnippets", "$vocabulary", "definitions", "$defs", "discriminator", "example", "externalDocs", "xml",
 }
+# every keyword JSON Schema gives an assertion or applicator meaning (drafts 4 to 2020-12); any
+# other key is an annotation or an extension, which validators ignore, and so do we
+_ASSERTING = {
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+    "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "uniqueItems", "maxContains",
+    "minContains", "contains", "maxProperties", "minProperties", "required", "dependentRequired", "dependencies",
+    "properties", "patternProperties", "additionalProperties", "propertyNames", "items", "prefixItems",
+    "additionalItems", "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "not", "if", "then",
+    "else", "dependentSchemas", "$ref", "$dynamicRef", "$recursiveRef",
+}
 _COMMON = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "required",
            "additionalProperties", "items", "prefixItems", "minItems", "maxItems", "pattern", "minLength", "maxLength",
            "format"}
 _SUPPORTED = {
-    "xgrammar": _COMMON | {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
-                           "propertyNames", "patternProperties", "maxProperties", "unevaluatedProperties",
-                           "dependentRequired"},
+    "xgrammar": _COMMON | {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                           "propertyNames", "patternProperties", "maxProperties", "unevaluatedProperties"},
     "outlines": _COMMON | {"minProperties"},
 }
 # formats jsonschema's format checker asserts, and which of them each backend enforces
@@ -48,6 +58,13 @@ _FORMATS = {
     "xgrammar": {"email", "date", "date-time", "time", "duration", "uri", "uri-reference", "ipv4", "ipv6",
                  "hostname", "uuid"},
     "outlines": {"email", "date", "date-time", "time", "uri", "uuid"},
+}
+_FAMILIES = {
+    "string": ("minLength", "maxLength", "pattern", "format"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+    "array": ("items", "prefixItems", "minItems", "maxItems", "uniqueItems", "contains", "additionalItems"),
+    "object": ("properties", "required", "additionalProperties", "patternProperties", "propertyNames",
+               "minProperties", "maxProperties", "dependentRequired", "unevaluatedProperties", "dependencies"),
 }
 _JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 
@@ -108,12 +125,14 @@ class _Walker:
         self.seen.add(id(s))
         self.normalize(s, ptr)
         for key in list(s):
-            if key in _ANNOTATIONS or key.startswith("x-"):
+            if key not in _ASSERTING:
                 continue
             if key not in self.supported:
                 if not _is_noop(key, s[key]):
                     self.bad(f"{ptr}/{key}", f"keyword {key!r}")
                 continue
+        if self.backend == "xgrammar" and ("pattern" in s or "format" in s) and ("minLength" in s or "maxLength" in s):
+            self.bad(ptr, "minLength/maxLength beside pattern or format (xgrammar drops the lengths)")
         fmt = s.get("format")
         if isinstance(fmt, str) and fmt in _ASSERTED_FORMATS and fmt not in _FORMATS[self.backend]:
             self.bad(f"{ptr}/format", f"format {fmt!r}")
@@ -141,8 +160,11 @@ class _Walker:
             s["items"] = s.pop("additionalItems", True)
         elif "additionalItems" in s:
             s.pop("additionalItems")  # without tuple items it has no effect
-        if s.get("uniqueItems") is False:
+        self.infer_type(s, ptr)
+        if s.get("uniqueItems") is False or (s.get("uniqueItems") and s.get("maxItems", 2) <= 1):
             s.pop("uniqueItems")
+        if "minProperties" in s and s["minProperties"] <= len(set(s.get("required") or [])):
+            s.pop("minProperties")  # implied by required
         if "allOf" in s:
             self.merge_all_of(s, ptr)
         if "oneOf" in s:
@@ -155,10 +177,38 @@ class _Walker:
             else:
                 s.pop("oneOf")
                 self.bad(f"{ptr}/oneOf", "'oneOf' whose branches may overlap (exactly-one cannot be enforced)")
+        self.required_into_properties(s, ptr)
         if s.get("type") in ("object", ["object"]):
             if not any(k in s for k in ("properties", "patternProperties", "additionalProperties",
                                         "unevaluatedProperties", "propertyNames")):
                 s["additionalProperties"] = True
+
+    def required_into_properties(self, s: dict, ptr: str) -> None:
+        """Backends enforce `required` only for names listed in `properties`; list the others
+        with the schema JSON Schema gives them (additionalProperties, or anything)."""
+        missing = [k for k in s.get("required") or [] if k not in (s.get("properties") or {})]
+        if not missing:
+            return
+        extra = s.get("additionalProperties", True)
+        for key in missing:
+            if any(re.search(p, key) for p in s.get("patternProperties") or {}):
+                self.bad(f"{ptr}/required", f"required name {key!r} matched by patternProperties")
+            elif extra is False:
+                self.bad(f"{ptr}/required", f"required name {key!r} that additionalProperties forbids")
+            else:
+                s.setdefault("properties", {})[key] = {} if extra is True else copy.deepcopy(extra)
+
+    def infer_type(self, s: dict, ptr: str) -> None:
+        """Type keywords apply only to their type: `{"minLength": 2}` also admits 5. Backends
+        ignore them without a `type`, so one family pins the type (narrower, still valid output)
+        and several at once are refused."""
+        if "type" in s or "const" in s or "enum" in s or "$ref" in s:
+            return
+        families = {t for t, keys in _FAMILIES.items() if any(k in s for k in keys)}
+        if len(families) == 1:
+            s["type"] = families.pop()
+        elif len(families) > 1:
+            self.bad(ptr, f"keywords of several types ({', '.join(sorted(families))}) without 'type'")
 
     def merge_all_of(self, s: dict, ptr: str) -> None:
         parts = s.pop("allOf")
@@ -177,11 +227,11 @@ class _Walker:
                     self.bad(f"{ptr}/allOf/{i}", "'allOf' of a reference that cannot be merged")
                     continue
                 part = copy.deepcopy(target)
-            clash = [k for k in part if k not in _ANNOTATIONS and k in s]
+            clash = [k for k in part if k in _ASSERTING and k in s and s[k] != part[k]]
             if clash:
                 self.bad(f"{ptr}/allOf/{i}", f"'allOf' whose parts both constrain {clash}")
                 continue
-            s.update({k: v for k, v in part.items() if k not in _ANNOTATIONS})
+            s.update({k: v for k, v in part.items() if k in _ASSERTING})
 
     # ---- oneOf disjointness -----------------------------------------------------------------
     def deref(self, s: Any) -> Any:

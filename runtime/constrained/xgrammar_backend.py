@@ -10,15 +10,13 @@ import torch
 from plait.runtime.constrained.base import GrammarBackend, GrammarError, Matcher
 from plait.runtime.constrained.schema_policy import prepare_schema
 
-_MAX_ROLLBACK = 64
-
 
 class XGrammarMatcher(Matcher):
     def __init__(self, compiled, accepted: list[int] | None = None):
         import xgrammar as xgr
 
         self._compiled = compiled
-        self._m = xgr.GrammarMatcher(compiled, max_rollback_tokens=_MAX_ROLLBACK)
+        self._m = xgr.GrammarMatcher(compiled)  # rollback depth is unlimited
         self._accepted: list[int] = []  # for copy(); only the tail a rollback can reach matters
         for t in accepted or []:
             self.accept_token(t)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -43,6 +44,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
                 raise ValueError(f"unknown sampling_params key {key!r}")
         if isinstance(d.get("stop"), str):
             d["stop"] = [d["stop"]]
+        if isinstance(d.get("json_schema"), dict):  # SGLang wants a string; an object is unambiguous
+            d["json_schema"] = json.dumps(d["json_schema"])
         d = {k: v for k, v in d.items() if v is not None or k == "seed"}
         try:
             params = msgspec.convert(d, cls, strict=False)
