@@ -42,14 +42,14 @@ class GrammarManager:
     def submit(self, req: Req, kind: str, text: str) -> None:
         if self.cache is None:
             raise ValueError(f"sampling_params.{kind} needs a grammar backend (the server runs with --grammar-backend none)")
-        req.grammar_future = self.cache.get(kind, text)  # a Compile
+        req.grammar_compile = self.cache.get(kind, text)
         self.compiling.append(req)
 
     def poll(self) -> list[Req]:
         """Requests leaving the compile queue: ready, or finished with the reason they failed."""
         out = []
         for req in list(self.compiling):
-            fut = req.grammar_future.future
+            fut = req.grammar_compile.future
             if req.finish is not None:
                 pass  # aborted while compiling
             elif fut.done():
@@ -59,19 +59,19 @@ class GrammarManager:
                 else:
                     msg = str(err) if isinstance(err, GrammarError) else f"grammar compile failed: {err!r}"
                     req.finish = FinishReason("abort", message=msg, status=400)
-            elif req.grammar_future.elapsed() > self.args.grammar_compile_timeout:
+            elif req.grammar_compile.elapsed() > self.args.grammar_compile_timeout:
                 req.finish = FinishReason("abort", status=400, message=(
                     f"the {req.params.grammar[0]} did not compile within --grammar-compile-timeout "
                     f"({self.args.grammar_compile_timeout:g} s)"))
             else:
                 continue
             self.compiling.remove(req)
-            req.grammar_future = None
+            req.grammar_compile = None
             out.append(req)
         return out
 
     def wait(self, timeout: float = 0.005) -> None:
-        wait_futures([r.grammar_future.future for r in self.compiling], timeout=timeout, return_when="FIRST_COMPLETED")
+        wait_futures([r.grammar_compile.future for r in self.compiling], timeout=timeout, return_when="FIRST_COMPLETED")
 
     # ---- masks -----------------------------------------------------------------------------
     def start_masks(self, sampling: list[Req]) -> Future | None:

@@ -31,7 +31,7 @@ class Req:
         self.generator = torch.Generator().manual_seed(msg.sampling_params.seed if msg.sampling_params.seed is not None else seed)
 
         self.grammar = None  # Matcher once compiled (constrained requests)
-        self.grammar_future = None  # Future of the compiled grammar while it compiles
+        self.grammar_compile = None  # its constrained/base.Compile while the grammar compiles
         self.draft: list[int] = []  # jump-forward tokens at the end of output_ids, not yet verified
         self.row: int | None = None
         self.last_node = None
