@@ -1,0 +1,104 @@
+"""RuntimeEndpoint: a plait (or SGLang) server over its native HTTP API."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import httpx
+
+from plait.lang.backends.base import Backend, OnDelta, choose, unconditional_context
+from plait.lang.chat_template import CHATML, ChatRoles, derive_roles, jinja_render
+
+
+class RuntimeEndpoint(Backend):
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url.rstrip("/")
+        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self.model_info = self._get("/get_model_info")
+
+    def _get(self, path: str) -> dict:
+        r = self.client.get(path)
+        self._check(r)
+        return r.json()
+
+    def _post(self, body: dict):
+        r = self.client.post("/generate", json=body)
+        self._check(r)
+        return r.json()
+
+    @staticmethod
+    def _check(r: httpx.Response) -> None:
+        if r.status_code >= 400:
+            try:
+                msg = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                msg = r.text
+            raise ValueError(f"server answered {r.status_code}: {msg}") if r.status_code < 500 else \
+                RuntimeError(f"server answered {r.status_code}: {msg}")
+
+    @functools.cached_property
+    def _roles(self) -> ChatRoles:
+        # the server's own template (plait's /get_model_info has it); ChatML if the server has none
+        return derive_roles(jinja_render(self.model_info.get("chat_template") or CHATML))
+
+    def roles(self) -> ChatRoles:
+        return self._roles
+
+    def generate(self, prompt, messages, params, on_delta: OnDelta, return_logprob=False, top_logprobs_num=0):
+        body = {"text": prompt, "sampling_params": params, "return_logprob": return_logprob,
+                "top_logprobs_num": top_logprobs_num}
+        if on_delta is None:
+            out = self._post(body)
+            return out["text"], out["meta_info"]
+        text, meta, lps, tops = "", {}, [], []
+        with self.client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+            if r.status_code >= 400:
+                r.read()
+                self._check(r)
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                snap = json.loads(line[6:])
+                if "error" in snap:
+                    raise ValueError(snap["error"]["message"])
+                delta = snap["text"][len(text):]
+                text, meta = snap["text"], snap["meta_info"]
+                lps += meta.get("output_token_logprobs") or []
+                tops += meta.get("output_top_logprobs") or []
+                if delta:
+                    on_delta(delta)
+        if return_logprob:
+            meta = {**meta, "output_token_logprobs": lps, **({"output_top_logprobs": tops} if tops else {})}
+        return text, meta
+
+    def _choice_logprobs(self, context: str, choices: list[str]) -> list[list[float]]:
+        # the context alone first: its length, its last token, and it lands in the prefix cache
+        head = self._post({"text": context, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                           "logprob_start_len": 0})
+        n_context = head["meta_info"]["prompt_tokens"]
+        last_id = head["meta_info"]["input_token_logprobs"][-1][1]
+        outs = self._post({"text": [context + c for c in choices], "sampling_params": {"max_new_tokens": 0},
+                           "return_logprob": True, "logprob_start_len": max(n_context - 1, 0)})
+        lps = []
+        for o in outs:
+            entries = o["meta_info"]["input_token_logprobs"]
+            # position n_context-1 is still the context's last token unless the choice merged into it
+            if len(entries) > 1 and entries[0][1] == last_id:
+                entries = entries[1:]
+            lps.append([e[0] for e in entries if e[0] is not None])
+        return lps
+
+    def select(self, prompt, messages, choices, method, temperature):
+        lps = self._choice_logprobs(prompt, choices)
+        unc = None
+        if method == "unconditional_likelihood_normalized":
+            unc = self._choice_logprobs(unconditional_context(prompt), choices)
+        return choose(method, lps, unc)
+
+    def cache_prefix(self, prompt: str) -> None:
+        self._post({"text": prompt, "sampling_params": {"max_new_tokens": 0}})
+
+    def shutdown(self) -> None:
+        self.client.close()

@@ -1,0 +1,83 @@
+"""Runtime: starts plait's runtime processes and talks to them over ZMQ (no HTTP in between)."""
+
+from __future__ import annotations
+
+import functools
+
+from plait.lang.backends.base import Backend, OnDelta, choose, unconditional_context
+from plait.lang.chat_template import ChatRoles, derive_roles
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Runtime(Backend):
+    """`Runtime(model_path=None, **server_args)`: the same runtime `plait serve` runs, in child
+    processes of this one. `shutdown()` stops them."""
+
+    def __init__(self, model_path: str | None = None, **server_args):
+        from plait.runtime.engine import Engine
+
+        self.engine = Engine(model_path, **server_args)
+        self.tokenizer = self.engine.tokenizer
+
+    @functools.cached_property
+    def _roles(self) -> ChatRoles:
+        tok = self.tokenizer
+        return derive_roles(lambda m, gen: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=gen))
+
+    def roles(self) -> ChatRoles:
+        return self._roles
+
+    def generate(self, prompt, messages, params, on_delta: OnDelta, return_logprob=False, top_logprobs_num=0):
+        kw = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num}
+        if on_delta is None:
+            out = self.engine.generate(prompt, params, **kw)
+            return out["text"], out["meta_info"]
+        text, meta, lps, tops = "", {}, [], []
+        for snap in self.engine.generate(prompt, params, stream=True, **kw):
+            delta = snap["text"][len(text):]
+            text = snap["text"]
+            meta = snap["meta_info"]
+            lps += meta.get("output_token_logprobs", [])
+            tops += meta.get("output_top_logprobs", [])
+            if delta:
+                on_delta(delta)
+        if return_logprob:
+            meta = {**meta, "output_token_logprobs": lps, **({"output_top_logprobs": tops} if tops else {})}
+        return text, meta
+
+    def _choice_ids(self, context: str, choices: list[str]) -> tuple[list[list[int]], list[int]]:
+        """Token ids of context+choice and where the choice's tokens start (boundary merges included)."""
+        tok = self.tokenizer
+        head = tok.encode(context)
+        ids, starts = [], []
+        for c in choices:
+            full = tok.encode(context + c)
+            ids.append(full)
+            starts.append(max(min(_lcp(head, full), len(full) - 1), 1))
+        return ids, starts
+
+    def select(self, prompt, messages, choices, method, temperature):
+        ids, starts = self._choice_ids(prompt, choices)
+        if method == "unconditional_likelihood_normalized":
+            more, more_starts = self._choice_ids(unconditional_context(prompt), choices)
+            ids, starts = ids + more, starts + more_starts
+        # one batched prefill-only call scores every choice (the shared prompt is computed once)
+        outs = self.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                    logprob_start_len=starts)
+        lps = [[e[0] for e in o["meta_info"]["input_token_logprobs"] if e[0] is not None] for o in outs]
+        n = len(choices)
+        return choose(method, lps[:n], lps[n:] if len(lps) > n else None)
+
+    def cache_prefix(self, prompt: str) -> None:
+        self.engine.generate(prompt, {"max_new_tokens": 0})
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
