@@ -7,7 +7,7 @@ SGLANG_STAMP := $(VENV)/.sglang-frontend
 # CPU torch build used where no GPU (and no torch of the user's) is present.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup run demo test test-slow bench bench-serving clean
+.PHONY: setup run demo test test-slow bench bench-serving bench-structured bench-programs clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,13 @@ bench: setup
 bench-serving: setup
 	$(PY) -m pip install -q --no-deps evals==3.0.1.post1
 	$(PY) benchmarks/bench_serving.py --compare
+
+bench-structured: setup
+	$(PY) benchmarks/bench_structured.py
+
+bench-programs: setup
+	$(PY) -m pip install -q --no-deps evals==3.0.1.post1
+	$(PY) benchmarks/bench_programs.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
