@@ -10,7 +10,6 @@ the naive backend serializes every call and recomputes every prompt.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from plait.lang.backends.base import METHODS, Backend
 from plait.lang.interpreter import ProgramState
 from plait.lang.ir import Gen, RoleBegin, RoleEnd, Select, Seq, as_expr
+from plait.lang.tracer import common_prefix
 
 token_length_normalized, greedy_token_selection, unconditional_likelihood_normalized = METHODS
 
@@ -123,43 +123,6 @@ def assistant_end() -> RoleEnd:
     return RoleEnd("assistant")
 
 
-class _Prefix(Exception):
-    """Raised by the tracing state at the first expression that needs the model."""
-
-
-class _TracingState:
-    """Runs a program body without a backend, collecting the text it appends before its first
-    gen/select/fork/read: the program's constant prefix for these arguments."""
-
-    def __init__(self, roles):
-        self.text_ = ""
-        self.roles = roles
-        self.any_role = False
-
-    def __iadd__(self, other):
-        self._add(as_expr(other))
-        return self
-
-    def _add(self, e):
-        from plait.lang.ir import Text
-
-        if isinstance(e, Seq):
-            for item in e.items:
-                self._add(item)
-        elif isinstance(e, Text):
-            self.text_ += e.value
-        elif isinstance(e, RoleBegin):
-            self.text_ += self.roles.role_begin(e.role, first=not self.any_role)
-            self.any_role = True
-        elif isinstance(e, RoleEnd):
-            self.text_ += self.roles.end[e.role]
-        else:
-            raise _Prefix
-
-    def __getattr__(self, name):
-        raise _Prefix
-
-
 class SglFunction:
     def __init__(self, func: Callable, bound: dict[str, Any] | None = None):
         self.func = func
@@ -237,18 +200,7 @@ class SglFunction:
         return results  # type: ignore[return-value]
 
     def _common_prefix(self, backend: Backend, batch_kwargs: list[dict]) -> str:
-        texts = []
-        for kw in batch_kwargs[: min(len(batch_kwargs), 16)]:
-            t = _TracingState(backend.roles())
-            try:
-                self.func(t, **{**self.bound, **kw})
-            except _Prefix:
-                pass
-            except Exception:  # noqa: BLE001 - a body that needs real results cannot be traced
-                return ""
-            texts.append(t.text_)
-        prefix = os.path.commonprefix(texts)
-        return prefix if len(prefix) >= 64 else ""  # not worth a request below a few tokens
+        return common_prefix(self.func, backend.roles(), [{**self.bound, **kw} for kw in batch_kwargs])
 
 
 def function(func: Callable | None = None, **_options):

@@ -40,6 +40,9 @@ class ServerArgs:
     grammar_cache_size: int = _arg(256, "compiled grammars kept (LRU)")
     grammar_compile_timeout: float = _arg(30.0, "seconds a grammar may take to compile before its request fails")
     disable_jump_forward: bool = _arg(False, "sample every token even where the grammar allows only one continuation")
+    jump_forward_token_budget: int = _arg(
+        32, "jump-forward drafts may grow a decode forward up to this many tokens (beyond it a CPU forward is "
+            "compute-bound and drafts stop paying; raise it on GPUs)")
     log_level: str = _arg("info", "logging level", ["debug", "info", "warning", "error"])
     # ---- serving ----
     host: str = _arg("127.0.0.1", "HTTP bind address")
@@ -69,6 +72,8 @@ class ServerArgs:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
         if self.grammar_compile_timeout <= 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
+        if self.jump_forward_token_budget < 0:
+            raise ValueError(f"jump_forward_token_budget must be >= 0, got {self.jump_forward_token_budget}")
         if self.grammar_cache_size < 1:
             raise ValueError(f"grammar_cache_size must be >= 1, got {self.grammar_cache_size}")
         if self.num_threads < 0:

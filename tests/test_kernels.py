@@ -63,13 +63,13 @@ def test_skinny_linear_from_several_threads():
 _TRITON_BITMASK = r'''
 import torch
 from plait.kernels.triton_bitmask import apply_token_bitmask_triton
-from plait.runtime.constrained.bitmask import apply_token_bitmask_, allocate_bitmask
+from plait.runtime.constrained.bitmask import apply_token_bitmask_ref
 g = torch.Generator().manual_seed(0)
 for batch, vocab in [(1, 49152), (5, 1000), (3, 33)]:
     logits = torch.randn(batch, vocab, generator=g)
     bitmask = torch.randint(-2**31, 2**31 - 1, (batch, (vocab + 31) // 32), dtype=torch.int32, generator=g)
     ref, out = logits.clone(), logits.clone()
-    apply_token_bitmask_(ref, bitmask)  # torch reference on CPU tensors
+    apply_token_bitmask_ref(ref, bitmask)
     apply_token_bitmask_triton(out, bitmask)
     assert torch.equal(ref, out), (batch, vocab)
     allowed = ~torch.isinf(ref)
@@ -104,3 +104,20 @@ def test_bitmask_unpack_matches_matcher(tokenizer):
         allowed = unpack_bitmask(bm, 49152)[0].nonzero().view(-1).tolist()
         assert allowed and all(tokenizer.decode([t]) in '"yes"' or tokenizer.decode([t]) in '"no"' for t in allowed)
         assert all(m.copy().accept_token(t) for t in allowed)
+
+
+def test_c_bitmask_kernel_matches_torch_reference():
+    from plait.kernels.cpu_bitmask import apply_token_bitmask_cpu
+    from plait.runtime.constrained.bitmask import apply_token_bitmask_ref
+
+    g = torch.Generator().manual_seed(1)
+    for batch, vocab in [(1, 49152), (7, 1000), (3, 33)]:
+        words = (vocab + 31) // 32
+        bitmask = torch.randint(-2**31, 2**31 - 1, (batch, words), dtype=torch.int32, generator=g)
+        bitmask[:, ::3] = -1  # whole words allowed
+        bitmask[:, 1::5] = 0  # whole words refused
+        logits = torch.randn(batch, vocab + 5, generator=g)[:, :vocab]  # strided rows
+        ref, out = logits.clone(), logits.clone()
+        apply_token_bitmask_ref(ref, bitmask)
+        assert apply_token_bitmask_cpu(out, bitmask)
+        assert torch.equal(ref, out), (batch, vocab)

@@ -71,8 +71,6 @@ def test_multi_turn_chat_uses_the_models_template(backend):
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant"]
     assert msgs[2]["content"] == s["a1"] and "Paris" in s["a1"]
     # the text is exactly the tokenizer's chat template applied to these messages
-    from transformers import PreTrainedTokenizerBase  # noqa: F401 - the template's owner
-
     rt_tok = getattr(backend, "tokenizer", None)
     if rt_tok is not None:
         assert s.text() == rt_tok.apply_chat_template(msgs, tokenize=False)

@@ -147,9 +147,9 @@ def _generate_corpus(engine, tokenizer, rows, max_new: int, temps=(0.0, 0.7)):
 
 
 def test_corpus_schemas_generate_valid_json(engine, tokenizer):
-    rows = corpus(every=10)
+    rows = corpus(every=12)
     compiled, rejected, checked = _generate_corpus(engine, tokenizer, rows, max_new=192)
-    assert len(compiled) >= 12 and checked >= 8  # the rest ramble in a string until max_new_tokens
+    assert len(compiled) >= 10 and checked >= 6  # the rest ramble in a string until max_new_tokens
     # a rejected schema is refused fast (the failure is cached) with a message naming the problem
     rid, message = next(iter(rejected.items()))
     schema = next(r["schema"] for r in rows if r["id"] == rid)
@@ -259,7 +259,7 @@ def test_jump_forward_is_exact_and_saves_forwards(engine, tokenizer):
     fewer forward passes with it on."""
     from plait import Engine
 
-    prompts = [schema_prompt(tokenizer, {"schema": PERSON}) + f"Person {i}: " for i in range(6)]
+    prompts = [schema_prompt(tokenizer, {"schema": PERSON}) + f"Person {i}: " for i in range(4)]
     params = {"json_schema": json.dumps(PERSON), "temperature": 0, "max_new_tokens": 96}
 
     def run(eng):

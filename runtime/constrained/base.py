@@ -108,6 +108,3 @@ class GrammarCache:
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
             return entry
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

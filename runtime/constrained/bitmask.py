@@ -21,10 +21,18 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set disallowed tokens' logits to -inf, in place (rows of logits and bitmask correspond)."""
+    """Set disallowed tokens' logits to -inf, in place (rows of logits and bitmask correspond):
+    the Triton kernel on GPU, the C kernel on CPU, this torch reference where neither applies."""
     if logits.is_cuda:
         from plait.kernels.triton_bitmask import apply_token_bitmask_triton
 
         apply_token_bitmask_triton(logits, bitmask)
         return
+    from plait.kernels.cpu_bitmask import apply_token_bitmask_cpu
+
+    if not apply_token_bitmask_cpu(logits, bitmask):
+        apply_token_bitmask_ref(logits, bitmask)
+
+
+def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.masked_fill_(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))

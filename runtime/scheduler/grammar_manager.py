@@ -33,7 +33,11 @@ class GrammarManager:
         self.vocab_size = vocab_size
         backend = create_backend(args.grammar_backend, tokenizer, vocab_size, eos_ids)
         self.cache = GrammarCache(backend, args.grammar_cache_size) if backend else None
+        # masks are filled while the forward runs: xgrammar releases the GIL, and a CPU forward leaves
+        # a core idle in its single-threaded stretches (measured here: +5-10% per token overlapped at
+        # batch 32, +16% filled after the forward)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask") if backend else None
+        self.draft_budget = 0  # draft tokens this step may still add (set by the scheduler per step)
         self.compiling: list[Req] = []
         self.tokens_jumped = 0  # draft tokens the model confirmed
         self.drafted = 0
@@ -128,7 +132,8 @@ class GrammarManager:
             return  # logprobs and penalties are per sampled token: no drafts for them
         # leave room for the token sampled after the draft
         room = min(req.params.max_new_tokens - req.output_len, context_length - req.seq_len) - 1
-        req.draft = plan_draft(req.grammar, self.tokenizer, room)
+        req.draft = plan_draft(req.grammar, self.tokenizer, min(room, self.draft_budget))
+        self.draft_budget -= len(req.draft)
         req.output_ids.extend(req.draft)
         self.drafted += len(req.draft)
 

@@ -104,6 +104,8 @@ class Scheduler:
         masks = self.grammars.start_masks([r for r, n in batch if r.cached_len + n == r.seq_len])
         logits = self.runner.forward(items)
         self.forward_passes += 1
+        # drafts pay while a forward is bandwidth-bound: keep the next one within the token budget
+        self.grammars.draft_budget = max(0, self.args.jump_forward_token_budget - len(self.running))
         self._process(batch, items, logits, masks)
         self.new_token_ratio = max(_RATIO_MIN, self.new_token_ratio - _RATIO_DECAY)
         return True
