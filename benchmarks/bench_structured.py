@@ -180,24 +180,13 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--jf-requests", type=int, default=16)
-    ap.add_argument("--compile-timeout", type=float, default=10.0)
-    ap.add_argument("--skip-compile", action="store_true")
-    ap.add_argument("--no-save", action="store_true")
-    args = ap.parse_args()
-    cmd = "python benchmarks/bench_structured.py " + " ".join(sys.argv[1:])
-    lines = [f"`{cmd}` (fp32, {args.threads} threads, default model)", ""]
-
-    lines += ["**Per-token latency, constrained (JSON schema) vs unconstrained** (jump-forward off; same token "
-              "counts; best of two interleaved runs)", "",
-              "| batch | tokens | unconstrained ms/token | constrained ms/token | overhead |", "|---|---|---|---|---|"]
+def timing_tables(args) -> list[str]:
+    lines = ["**Per-token latency, constrained (JSON schema) vs unconstrained** (jump-forward off; same token "
+             "counts; best of two interleaved runs)", "",
+             "| batch | tokens | unconstrained ms/token | constrained ms/token | overhead |", "|---|---|---|---|---|"]
     for b, toks, u, c, over in per_token_overhead(args):
         lines.append(f"| {b} | {toks} | {u:.1f} | {c:.1f} | {over:+.1f}% |")
     print("\n".join(lines), flush=True)
-
     lines += ["", "**JSON-schema requests/s, jump-forward on vs off** (greedy; a schema with fixed keys and long enum "
                   "values)", "",
               "| concurrent requests | req/s off | req/s on | speed-up | forward passes off / on | output tokens | "
@@ -205,6 +194,23 @@ def main() -> None:
     for conc, off, on, p_off, p_on, toks, same in jump_forward_speedup(args):
         lines.append(f"| {conc} | {off:.2f} | {on:.2f} | **{on / off:.2f}x** | {p_off} / {p_on} | {toks} | {same} |")
     print("\n".join(lines[-4:]), flush=True)
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--jf-requests", type=int, default=16)
+    ap.add_argument("--compile-timeout", type=float, default=10.0)
+    ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--only-compile", action="store_true")
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+    cmd = "python benchmarks/bench_structured.py " + " ".join(sys.argv[1:])
+    lines = [f"`{cmd}` (fp32, {args.threads} threads, default model)", ""]
+
+    if not args.only_compile:
+        lines += timing_tables(args)
 
     if not args.skip_compile:
         with open(CORPUS) as f:
@@ -221,7 +227,7 @@ def main() -> None:
 
     table = "\n".join(lines)
     print("\n" + table)
-    if not args.no_save and not args.skip_compile:
+    if not args.no_save and not args.skip_compile and not args.only_compile:
         os.makedirs(RESULTS, exist_ok=True)
         with open(os.path.join(RESULTS, "structured.md"), "w") as f:
             f.write(table + "\n")

@@ -261,3 +261,29 @@ def test_bind_and_errors(backend):
         pl.select("x", [])
     with pytest.raises(TypeError, match="unknown"):
         pl.gen("x", max_token=3)
+
+
+def test_openai_backend_on_the_chat_api(backend):
+    """The OpenAI backend against plait's own /v1 (the endpoint fixture's server)."""
+    if not isinstance(backend, pl.RuntimeEndpoint):
+        pytest.skip("needs the HTTP server")
+    oai = pl.OpenAI("default", base_url=backend.base_url + "/v1")
+
+    @pl.function
+    def answer(s):
+        s += pl.system("You are a helpful assistant.")
+        s += pl.user("What is the capital of France?")
+        s += pl.assistant(pl.gen("answer", max_tokens=16, temperature=0))
+        s += pl.user("Is that city in Europe? Answer yes or no.")
+        s += pl.assistant(pl.select("yn", ["yes", "no"]))
+
+    s = answer.run(backend=oai)
+    assert "Paris" in s["answer"] and s["yn"] in ("yes", "no")
+
+    @pl.function
+    def unsupported(s):
+        s += pl.user("hi")
+        s += pl.assistant("Sure, " + pl.gen("x", max_tokens=4))
+
+    with pytest.raises(ValueError, match="after text inside an assistant turn"):
+        unsupported.run(backend=oai)

@@ -74,7 +74,10 @@ class Runtime(Backend):
                                     logprob_start_len=starts)
         lps = [[e[0] for e in o["meta_info"]["input_token_logprobs"] if e[0] is not None] for o in outs]
         n = len(choices)
-        return choose(method, lps[:n], lps[n:] if len(lps) > n else None)
+        index, meta = choose(method, lps[:n], lps[n:] if len(lps) > n else None)
+        meta["prompt_tokens"] = sum(o["meta_info"]["prompt_tokens"] for o in outs)
+        meta["cached_tokens"] = sum(o["meta_info"]["cached_tokens"] for o in outs)
+        return index, meta
 
     def cache_prefix(self, prompt: str) -> None:
         self.engine.generate(prompt, {"max_new_tokens": 0})
