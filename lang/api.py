@@ -179,8 +179,7 @@ class SglFunction:
         prefix = self._common_prefix(backend, batch_kwargs)
         if prefix:
             backend.cache_prefix(prefix)
-        workers = min(len(batch_kwargs), 64 if num_threads == "auto" else int(num_threads))
-        workers = max(workers, 1) if num_threads == "auto" else max(int(num_threads), 1)
+        workers = min(len(batch_kwargs), 64) if num_threads == "auto" else max(int(num_threads), 1)
         results: list[ProgramState | None] = [None] * len(batch_kwargs)
 
         def one(i: int) -> None:

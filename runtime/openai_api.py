@@ -205,11 +205,16 @@ class _View:
         self.sent_text[i] = len(st.text)
         out = [self._chunk(i, delta, _finish(st))]
         if st.finish is not None:
-            self.done[i] = True
-            if all(self.done) and self.req.stream_options and self.req.stream_options.include_usage:
-                out.append({"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
-                            "choices": [], "usage": _usage(self.states, self.req.n)})
+            out += self._close(i)
         return out
+
+    def _close(self, i: int) -> list[dict]:
+        """Mark choice i done; after the last one, the usage chunk if the client asked for it."""
+        self.done[i] = True
+        if all(self.done) and self.req.stream_options and self.req.stream_options.include_usage:
+            return [{"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                     "choices": [], "usage": _usage(self.states, self.req.n)}]
+        return []
 
 
 class _Completion(_View):
@@ -318,11 +323,7 @@ class _Chat(_View):
         elif message["content"]:
             out.append(self._delta(i, {"content": message["content"]}))
         out.append(self._delta(i, {}, finish))
-        self.done[i] = True
-        if all(self.done) and self.req.stream_options and self.req.stream_options.include_usage:
-            out.append({"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
-                        "choices": [], "usage": _usage(self.states, self.req.n)})
-        return out
+        return out + self._close(i)
 
     def _delta(self, i: int, d: dict, finish: str | None = None) -> dict:
         if not self.role_sent[i]:

@@ -77,6 +77,8 @@ class Scheduler:
             for req in queue:
                 if req.rid == msg.rid and req.finish is None:
                     req.finish = FinishReason("abort", message="aborted")
+        if self.grammars.compiling:
+            self.waiting.extend(self.grammars.poll())  # takes out the ones aborted while compiling
         self._reap()
 
     @property
@@ -306,8 +308,6 @@ class Scheduler:
             if req.finish is not None:
                 self.kv.release(req)
                 self.running.remove(req)
-        if self.grammars.compiling:
-            self.waiting.extend(self.grammars.poll())  # picks up requests aborted while compiling
         for req in [r for r in self.waiting if r.finish is not None]:
             self.waiting.remove(req)
             self.kv.release(req)
