@@ -26,23 +26,21 @@ class ForwardMode(Enum):
 class AttnGroup:
     """Attention metadata for one group of requests.
 
-    kv_slots[b, j] is the KV slot of key j of request b (padded with slot 0); for extend,
-    `mask` is additive (0 where query may attend key, -inf elsewhere); decode needs none,
-    its keys are the first kv_lens[b] of each row. For extend, query rows are
-    padded to q_max per request and `q_rows` gives each flat token's row in the padded
-    [B * q_max] layout. For decode batches whose requests share a cached prefix (same KV
-    slots), `prefix_slots` holds that prefix once and kv_slots/mask cover only the rest
-    (cascade attention: the prefix is read once for the whole batch, not once per request).
-    Extend groups do the same when all their requests continue from a shared cached prefix.
+    kv_slots[b, j] is the KV slot of key j of request b (padded with slot 0). Each query token
+    reads one row of it and attends to that row's first keys: decode tokens read their own row
+    (the first kv_lens[b] keys); extend tokens read row q_req[t] and see q_kv_lens[t] keys, up to
+    their own position, which makes attention causal without a mask. For batches whose requests
+    share a cached prefix (same KV slots), `prefix_slots` holds that prefix once and kv_slots
+    covers only the rest (cascade attention: the prefix is read once for the whole batch, not
+    once per request).
     """
 
     start: int  # first flat token of the group
     num_tokens: int
     kv_slots: torch.Tensor  # [B, kv_max]
-    mask: torch.Tensor | None  # [B, 1, q_max * q_per_kv, kv_max] float, extend only
-    q_max: int
-    q_rows: torch.Tensor | None  # [num_tokens], extend only
-    kv_lens: torch.Tensor | None = None  # [B] keys per request in kv_slots
+    kv_lens: torch.Tensor  # [B] keys per request in kv_slots
+    q_req: torch.Tensor | None = None  # [num_tokens] request of each token, extend only
+    q_kv_lens: torch.Tensor | None = None  # [num_tokens] keys each token sees in its row, extend only
     prefix_slots: torch.Tensor | None = None  # [P]
 
 
@@ -100,20 +98,12 @@ def build_group(
             kv_max -= shared
             kv_slots = kv_slots[:, shared:].contiguous()
     if q_max == 1:
-        return AttnGroup(start, batch, kv_slots, None, 1, None, kv_lens, prefix_slots)
-    key_pos = torch.arange(kv_max)
-    q_idx = torch.arange(q_max)
-    # query i of request b sits at absolute position kv_len - q_len + i; padded rows see key 0 only
-    q_pos = kv_lens[:, None] - q_lens[:, None] + q_idx[None, :]
-    valid_q = q_idx[None, :] < q_lens[:, None]
-    mask = key_pos[None, None, :] <= q_pos[:, :, None]
-    mask &= valid_q[:, :, None]
-    mask[:, :, 0] |= ~valid_q
-    # grouped-query heads are folded into the query axis (head-major), so repeat the mask per head
-    mask = mask.view(batch, 1, q_max, kv_max).repeat(1, 1, q_per_kv, 1)
-    q_rows = (torch.arange(batch)[:, None] * q_max + q_idx[None, :])[valid_q]
-    additive = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
-    return AttnGroup(start, int(q_lens.sum()), kv_slots, additive, q_max, q_rows, kv_lens, prefix_slots)
+        return AttnGroup(start, batch, kv_slots, kv_lens, prefix_slots=prefix_slots)
+    # token i of request b sits at position kv_len - q_len + i of its row and sees the keys up to it
+    q_req = torch.repeat_interleave(torch.arange(batch), q_lens)
+    first = torch.cumsum(q_lens, 0) - q_lens
+    q_kv_lens = kv_lens[q_req] - q_lens[q_req] + (torch.arange(int(q_lens.sum())) - first[q_req]) + 1
+    return AttnGroup(start, int(q_lens.sum()), kv_slots, kv_lens, q_req, q_kv_lens, prefix_slots)
 
 
 # below this many shared tokens, reading the prefix per request costs less than a second attention pass

@@ -38,6 +38,8 @@ class ModelRunner:
         loaded = load_model(args.model_path, self.dtype, args.context_length, args.tokenizer_path, progress,
                             load_tokenizer=not args.skip_tokenizer_init)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        if not args.disable_packed_weights:
+            self.model.pack_weights()  # before the KV pool takes its share of free memory
         self.context_length = args.context_length or self.config.context_length
         cfg = self.config
         num_slots = args.max_total_tokens or self._auto_kv_tokens()

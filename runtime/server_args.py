@@ -25,6 +25,9 @@ class ServerArgs:
     dtype: str = _arg("auto", "weight and KV dtype", ["auto", "float32", "bfloat16", "float16"])
     device: str = _arg("auto", "compute device (the CUDA path is not built yet: auto means cpu)", ["auto", "cpu"])
     num_threads: int = _arg(0, "torch intra-op threads (0: torch's default)")
+    disable_packed_weights: bool = _arg(
+        False, "on CPU, keep no second (oneDNN-blocked) copy of the float32 matmul weights: half the weight "
+        "memory, slower prefill and large batches")
     context_length: int | None = _arg(None, "max tokens per sequence; default: the model's")
     max_total_tokens: int | None = _arg(None, "KV pool size in tokens; default: from --mem-fraction-static")
     mem_fraction_static: float = _arg(0.15, "fraction of free memory given to the KV pool when its size is auto")

@@ -5,13 +5,14 @@ import os
 import pytest
 import torch
 
-from plait.kernels.cpu_attention import _library, paged_decode_attention, paged_decode_attention_ref
+from plait.kernels import cpu_fused
+from plait.kernels.cpu_attention import _library, paged_attention, paged_attention_ref
 from plait.kernels.cpu_linear import _library as linear_library
 from plait.kernels.cpu_linear import skinny_linear
 
 
 @pytest.mark.parametrize("batch,heads,groups,dim,length", [(1, 3, 3, 64, 7), (5, 2, 4, 32, 40), (64, 3, 3, 64, 300)])
-def test_paged_decode_kernel_matches_reference(batch, heads, groups, dim, length):
+def test_paged_attention_kernel_matches_reference(batch, heads, groups, dim, length):
     assert _library() is not None, "the C kernel should build here (a C compiler is on the machine)"
     torch.manual_seed(0)
     slots_total = 4096
@@ -21,10 +22,42 @@ def test_paged_decode_kernel_matches_reference(batch, heads, groups, dim, length
     lens = torch.randint(1, length + 1, (batch,))
     lens[0] = 1
     q = torch.randn(batch, heads, groups, dim)
-    out, lse = paged_decode_attention(q, k, v, slots, lens, dim**-0.5)
-    ref_out, ref_lse = paged_decode_attention_ref(q, k, v, slots, lens, dim**-0.5)
+    out, lse = paged_attention(q, k, v, slots, lens, dim**-0.5)
+    ref_out, ref_lse = paged_attention_ref(q, k, v, slots, lens, dim**-0.5)
     assert (out - ref_out).abs().max().item() < 1e-5
     assert (lse - ref_lse).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("heads,groups,dim", [(3, 3, 64), (2, 1, 16), (1, 5, 8), (2, 9, 64), (2, 2, 12)])
+def test_paged_attention_extend_rows_match_reference(heads, groups, dim):
+    """Extend tokens share their request's slot row and each sees the keys up to its position."""
+    torch.manual_seed(heads * groups + dim)
+    k, v = torch.randn(512, heads, dim), torch.randn(512, heads, dim)
+    slots = torch.randint(1, 512, (3, 40))
+    q_lens = torch.tensor([40, 1, 17])
+    rows = torch.repeat_interleave(torch.arange(3), q_lens)
+    lens = torch.cat([torch.arange(1, 41), torch.tensor([33]), torch.arange(5, 22)])
+    q = torch.randn(rows.numel(), heads, groups, dim)
+    out, lse = paged_attention(q, k, v, slots, lens, dim**-0.5, rows)
+    ref_out, ref_lse = paged_attention_ref(q, k, v, slots, lens, dim**-0.5, rows)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    # token 0 sees one key: its output is that key's value
+    torch.testing.assert_close(out[0], v[slots[0, 0]].unsqueeze(1).expand(heads, groups, dim))
+
+
+@pytest.mark.parametrize("rows", [1, 64, 2048])
+def test_fused_ops_match_torch(rows):
+    assert cpu_fused._library() is not None
+    torch.manual_seed(rows)
+    x, y, w = torch.randn(rows, 576), torch.randn(rows, 576), torch.randn(576)
+    gate_up = 4 * torch.randn(rows, 3072)
+    torch.testing.assert_close(cpu_fused.rms_norm(x, w, 1e-5), cpu_fused.rms_norm_ref(x, w, 1e-5))
+    torch.testing.assert_close(cpu_fused.silu_mul(gate_up), cpu_fused.silu_mul_ref(gate_up))
+    ref_sum, ref_norm = cpu_fused.add_rms_norm_ref(x, y, w, 1e-5)
+    total, normed = cpu_fused.add_rms_norm(x.clone(), y, w, 1e-5)
+    torch.testing.assert_close(total, ref_sum)
+    torch.testing.assert_close(normed, ref_norm)
 
 
 def test_kernel_falls_back_for_other_dtypes():
@@ -32,8 +65,8 @@ def test_kernel_falls_back_for_other_dtypes():
     q = torch.randn(2, 2, 2, 16, dtype=torch.bfloat16)
     slots = torch.randint(1, 64, (2, 5))
     lens = torch.tensor([5, 3])
-    out, _ = paged_decode_attention(q, k, k, slots, lens, 0.25)
-    ref, _ = paged_decode_attention_ref(q, k, k, slots, lens, 0.25)
+    out, _ = paged_attention(q, k, k, slots, lens, 0.25)
+    ref, _ = paged_attention_ref(q, k, k, slots, lens, 0.25)
     assert torch.equal(out, ref)
 
 

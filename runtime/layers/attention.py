@@ -1,9 +1,10 @@
 """Paged attention over the KV pool (CPU).
 
-Extend groups gather their requests' keys once per layer through `kv_slots` and run one batched
-scaled_dot_product_attention; decode groups read keys in place (plait.kernels.cpu_attention, C
-kernel with a torch reference). Grouped-query heads are folded into the query axis so K/V are
-never repeated per query head. Shared prefixes take the cascade path (read once per batch).
+Every query token reads its keys in place through its request's slot row
+(plait.kernels.cpu_attention, a C kernel with a torch reference): a decode token sees the whole
+row, an extend token the keys up to its own position. Grouped-query heads are folded into the
+query axis so K/V are never repeated per query head. Shared prefixes take the cascade path (read
+once per batch).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from plait.kernels.cpu_attention import attention_with_lse, gather_kv, paged_decode_attention
+from plait.kernels import cpu_attention
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.forward_batch import AttnGroup, ForwardBatch
 
@@ -36,7 +37,7 @@ def _group_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv = pool.k[layer].shape[1]
     per_kv = num_heads // num_kv
-    if g.q_rows is not None and g.kv_slots.shape[0] == 1 and g.kv_slots.shape[1] == num_tokens:
+    if g.q_req is not None and g.kv_slots.shape[0] == 1 and g.kv_slots.shape[1] == num_tokens:
         # one request with nothing cached: causal attention on the fresh K/V, no gather
         qh = q.view(num_tokens, num_kv, per_kv, head_dim).permute(1, 2, 0, 3)
         o = F.scaled_dot_product_attention(qh, k_new.transpose(0, 1).unsqueeze(1),
@@ -52,30 +53,16 @@ def _group_attention(
 
 
 def _own_keys(g: AttnGroup, pool: KVPool, layer: int, q: torch.Tensor, scale: float, with_lse: bool):
-    """Each request's queries against its keys in g.kv_slots. Returns out [T, Hkv, G, D]
-    (and lse [T, Hkv, G] when with_lse)."""
+    """Each query against its keys in g.kv_slots. Returns out [T, Hkv, G, D] (and lse [T, Hkv, G]
+    when with_lse)."""
     num_tokens, num_heads, head_dim = q.shape
-    batch = g.kv_slots.shape[0]
     num_kv = pool.k[layer].shape[1]
-    per_kv = num_heads // num_kv
-    if g.q_rows is None:  # decode: one query per request, grouped heads as the query axis
-        qh = q.view(batch, num_kv, per_kv, head_dim)
-        out, lse = paged_decode_attention(qh, pool.k[layer], pool.v[layer], g.kv_slots, g.kv_lens, scale)
-        return (out, lse) if with_lse else out
-    keys, values = gather_kv(pool.k[layer], pool.v[layer], g.kv_slots)
-    q_max = g.q_max
-    padded = q.new_zeros(batch * q_max, num_heads, head_dim)
-    padded[g.q_rows] = q
-    qh = padded.view(batch, q_max, num_kv, per_kv, head_dim).permute(0, 2, 3, 1, 4)
-    qh = qh.reshape(batch, num_kv, per_kv * q_max, head_dim)
-    if with_lse:
-        o, lse = attention_with_lse(qh, keys, values, g.mask, scale)
-        lse = lse.view(batch, num_kv, per_kv, q_max).permute(0, 3, 1, 2).reshape(batch * q_max, num_kv, per_kv)
+    qh = q.view(num_tokens, num_kv, num_heads // num_kv, head_dim)
+    if g.q_req is None:  # decode: one query per request
+        out, lse = cpu_attention.paged_attention(qh, pool.k[layer], pool.v[layer], g.kv_slots, g.kv_lens, scale)
     else:
-        o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=g.mask, scale=scale)
-    o = o.view(batch, num_kv, per_kv, q_max, head_dim).permute(0, 3, 1, 2, 4).reshape(batch * q_max, num_kv,
-                                                                                   per_kv, head_dim)
-    return (o[g.q_rows], lse[g.q_rows]) if with_lse else o[g.q_rows]
+        out, lse = cpu_attention.paged_attention(qh, pool.k[layer], pool.v[layer], g.kv_slots, g.q_kv_lens, scale, g.q_req)
+    return (out, lse) if with_lse else out
 
 
 def _shared_prefix(g: AttnGroup, pool: KVPool, layer: int, q: torch.Tensor, scale: float):
@@ -87,6 +74,6 @@ def _shared_prefix(g: AttnGroup, pool: KVPool, layer: int, q: torch.Tensor, scal
     kp = pool.k[layer].index_select(0, g.prefix_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, P, D]
     vp = pool.v[layer].index_select(0, g.prefix_slots).transpose(0, 1).unsqueeze(0)
     qp = q.view(num_tokens, num_kv, per_kv, head_dim).permute(1, 0, 2, 3).reshape(1, num_kv, -1, head_dim)
-    out, lse = attention_with_lse(qp, kp, vp, None, scale)
+    out, lse = cpu_attention.attention_with_lse(qp, kp, vp, None, scale)
     out = out.view(num_kv, num_tokens, per_kv, head_dim).permute(1, 0, 2, 3)
     return out, lse.view(num_kv, num_tokens, per_kv).permute(1, 0, 2)

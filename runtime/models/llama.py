@@ -11,16 +11,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.kernels.cpu_fused import add_rms_norm, rms_norm, silu_mul
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.forward_batch import current_batch
 from plait.runtime.layers.attention import paged_attention
-from plait.runtime.layers.linear import linear
+from plait.runtime.layers.linear import linear, pack
 from plait.runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from plait.runtime.model_config import ModelConfig
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+_MATMULS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 
 class DecoderLayer(nn.Module):
@@ -41,12 +45,17 @@ class DecoderLayer(nn.Module):
         self.post_norm = _param(h, dtype=dtype)
         self.gate_up_weight = _param(2 * cfg.intermediate_size, h, dtype=dtype)
         self.down_weight = _param(h, cfg.intermediate_size, dtype=dtype)
+        self.packed: dict[str, torch.Tensor | None] = dict.fromkeys(_MATMULS)
+
+    def pack_weights(self) -> None:
+        """Blocked copies of the matmul weights for many-row matmuls (see layers.linear)."""
+        self.packed = {name: pack(getattr(self, name)) for name in _MATMULS}
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool) -> torch.Tensor:
         fb = current_batch()
         t = x.shape[0]
-        hs = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
-        qkv = linear(hs, self.qkv_weight, self.qkv_bias)
+        hs = rms_norm(x, self.input_norm, self.eps)
+        qkv = linear(hs, self.qkv_weight, self.qkv_bias, self.packed["qkv_weight"])
         heads = self.num_heads + self.num_kv_heads
         qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
@@ -56,10 +65,9 @@ class DecoderLayer(nn.Module):
         qk = apply_rotary(qk, cos, sin)  # q and k heads rotated in one pass
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         attn = paged_attention(fb, self.layer_id, pool, q, k, v, self.scale)
-        x = x + linear(attn, self.o_weight)
-        hs = F.rms_norm(x, (x.shape[-1],), self.post_norm, self.eps)
-        gate, up = linear(hs, self.gate_up_weight).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_weight)
+        x, hs = add_rms_norm(x, linear(attn, self.o_weight, packed=self.packed["o_weight"]), self.post_norm, self.eps)
+        act = silu_mul(linear(hs, self.gate_up_weight, packed=self.packed["gate_up_weight"]))
+        return x + linear(act, self.down_weight, packed=self.packed["down_weight"])
 
 
 class LlamaForCausalLM(nn.Module):
@@ -71,6 +79,13 @@ class LlamaForCausalLM(nn.Module):
         self.norm = _param(cfg.hidden_size, dtype=dtype)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.rope_theta, max_positions, dtype)
+        self.lm_head_packed: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """A second, blocked copy of every matmul weight for many-row matmuls on CPU (after loading)."""
+        for layer in self.layers:
+            layer.pack_weights()
+        self.lm_head_packed = pack(self.lm_head)
 
     @torch.inference_mode()
     def forward(self, pool: KVPool) -> torch.Tensor:
@@ -81,8 +96,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, pool)
         x = x[fb.logits_rows]
-        x = F.rms_norm(x, (x.shape[-1],), self.norm, self.cfg.rms_norm_eps)
-        return linear(x, self.lm_head).float()
+        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return linear(x, self.lm_head, packed=self.lm_head_packed).float()
 
     def weight_slots(self) -> dict[str, tuple[torch.Tensor, int]]:
         """HF tensor name -> (destination parameter, row offset into it)."""

@@ -1,0 +1,206 @@
+// Paged attention for CPU: each query attends to the first lens[i] keys of its slot row, read in
+// place from the KV pool (no gather copy). Decode queries have one row each; prefill ("extend")
+// tokens share their request's row and differ in how many keys they see, which is causal
+// attention without a mask. One task per (query, kv head) covers that head's G grouped query
+// heads, so each key row is read once for all of them. Float32; threads take tasks dynamically.
+//
+// Speed comes from keeping accumulators in registers: G is a compile-time constant in the
+// specialised bodies (switch below), scores take four keys per pass, the value sum several
+// output vectors per pass, and exp is a vector polynomial.
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "simd.h"
+
+typedef struct {
+  const float *q, *k, *v;
+  const int64_t *slots, *rows, *lens;
+  float *out, *lse;
+  int64_t heads, groups, dim, vdim, max_len, k_row, v_row;
+  float scale;
+} Args;
+
+// rows sit wherever their slots are: fetch a few ahead so the loads overlap the arithmetic
+#define PREFETCH 16
+#define VBLOCK 64  // value rows per block: 64 x 256 B (head size 64) stays in L1
+static inline void prefetch_row(const float *row, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(row + i, 0, 1);
+}
+
+// the scalar path: any G, any head size
+static void task_scalar(const Args *a, int64_t qi, int64_t h, float *scores) {
+  const int64_t G = a->groups, D = a->dim, Dv = a->vdim, L = a->max_len, n = a->lens[qi];
+  const int64_t *sl = a->slots + (a->rows ? a->rows[qi] : qi) * L;
+  const float *qb = a->q + (qi * a->heads + h) * G * D;
+  float *ob = a->out + (qi * a->heads + h) * G * Dv;
+  for (int64_t g = 0; g < G; ++g) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      const float *kr = a->k + sl[j] * a->k_row + h * D;
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += qb[g * D + d] * kr[d];
+      scores[j] = s * a->scale;
+      if (scores[j] > mx) mx = scores[j];
+    }
+    for (int64_t j = 0; j < n; ++j) sum += (scores[j] = expf(scores[j] - mx));
+    float *o = ob + g * Dv;
+    memset(o, 0, sizeof(float) * (size_t)Dv);
+    for (int64_t j = 0; j < n; ++j) {
+      const float *vr = a->v + sl[j] * a->v_row + h * Dv;
+      for (int64_t d = 0; d < Dv; ++d) o[d] += scores[j] * vr[d];
+    }
+    for (int64_t d = 0; d < Dv; ++d) o[d] /= sum;
+    a->lse[(qi * a->heads + h) * G + g] = mx + logf(sum);
+  }
+}
+
+#ifdef __AVX2__
+// ob[g, d0 : d0 + 8 NV] += sum over keys j0 <= i < j1 of p_gi v_i[d0 : d0 + 8 NV]; G and NV are
+// compile-time constants at every call, so the accumulators stay in registers
+static inline __attribute__((always_inline)) void value_pass(float *ob, const float *vb, const int64_t *sl,
+                                                            int64_t vr, const float *scores, int64_t L, int64_t j0,
+                                                            int64_t j1, int64_t n, int64_t Dv, int64_t d0,
+                                                            const int G, const int NV) {
+  __m256 acc[8][4];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) acc[g][c] = _mm256_loadu_ps(ob + g * Dv + d0 + 8 * c);
+  for (int64_t i = j0; i < j1; ++i) {
+    const float *v0 = vb + sl[i] * vr + d0;
+    if (d0 == 0 && i + PREFETCH < n) prefetch_row(vb + sl[i + PREFETCH] * vr, Dv);
+    __m256 y[4];
+    for (int c = 0; c < NV; ++c) y[c] = _mm256_loadu_ps(v0 + 8 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m256 p = _mm256_broadcast_ss(scores + g * L + i);
+      for (int c = 0; c < NV; ++c) acc[g][c] = _mm256_fmadd_ps(p, y[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(ob + g * Dv + d0 + 8 * c, acc[g][c]);
+}
+
+// one (query, kv head) task with G known at compile time; needs D % 8 == 0 and Dv % 8 == 0
+static inline __attribute__((always_inline)) void task_vec(const Args *a, int64_t qi, int64_t h, float *scores,
+                                                          const int G) {
+  const int64_t D = a->dim, Dv = a->vdim, L = a->max_len, n = a->lens[qi];
+  const int64_t *sl = a->slots + (a->rows ? a->rows[qi] : qi) * L;
+  const float *qb = a->q + (qi * a->heads + h) * G * D;
+  const float *kb = a->k + h * D, *vb = a->v + h * Dv;
+  const int64_t kr = a->k_row, vr = a->v_row;
+  // scores[g * L + j] = scale * q_g . k_j, four keys at a time
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float *k0 = kb + sl[j] * kr, *k1 = kb + sl[j + 1] * kr, *k2 = kb + sl[j + 2] * kr, *k3 = kb + sl[j + 3] * kr;
+    for (int64_t p = j + PREFETCH; p < j + PREFETCH + 4 && p < n; ++p) prefetch_row(kb + sl[p] * kr, D);
+    __m256 acc[8][4];  // G <= 8; fixed size so it stays in registers
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d), x2 = _mm256_loadu_ps(k2 + d),
+                   x3 = _mm256_loadu_ps(k3 + d);
+      for (int g = 0; g < G; ++g) {
+        const __m256 qv = _mm256_loadu_ps(qb + g * D + d);
+        acc[g][0] = _mm256_fmadd_ps(qv, x0, acc[g][0]);
+        acc[g][1] = _mm256_fmadd_ps(qv, x1, acc[g][1]);
+        acc[g][2] = _mm256_fmadd_ps(qv, x2, acc[g][2]);
+        acc[g][3] = _mm256_fmadd_ps(qv, x3, acc[g][3]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) scores[g * L + j + c] = hsum(acc[g][c]) * a->scale;
+  }
+  for (; j < n; ++j) {
+    const float *k0 = kb + sl[j] * kr;
+    __m256 acc[8];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 x0 = _mm256_loadu_ps(k0 + d);
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qb + g * D + d), x0, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) scores[g * L + j] = hsum(acc[g]) * a->scale;
+  }
+  // softmax numerators in place; the sums normalise at the end
+  float sums[8], maxs[8];
+  for (int g = 0; g < G; ++g) {
+    float *s = scores + g * L;
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + i));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    for (; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 tot = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+      _mm256_storeu_ps(s + i, e);
+      tot = _mm256_add_ps(tot, e);
+    }
+    float sum = hsum(tot);
+    for (; i < n; ++i) sum += (s[i] = expf(s[i] - mx));
+    sums[g] = sum;
+    maxs[g] = mx;
+  }
+  // out_g = sum_j p_gj v_j / sum_g. NV output vectors per pass over the keys (G * NV accumulators
+  // plus NV value loads fit AVX2's 16 registers); keys go in blocks small enough that the later
+  // passes over a block find its value rows in L1.
+  const int NV = G <= 2 ? 4 : (G <= 4 ? 2 : 1);
+  float *ob = a->out + (qi * a->heads + h) * G * Dv;
+  memset(ob, 0, sizeof(float) * (size_t)(G * Dv));
+  for (int64_t j0 = 0; j0 < n; j0 += VBLOCK) {
+    const int64_t j1 = j0 + VBLOCK < n ? j0 + VBLOCK : n;
+    int64_t d0 = 0;
+    for (; d0 + 8 * NV <= Dv; d0 += 8 * NV) value_pass(ob, vb, sl, vr, scores, L, j0, j1, n, Dv, d0, G, NV);
+    for (; d0 < Dv; d0 += 8) value_pass(ob, vb, sl, vr, scores, L, j0, j1, n, Dv, d0, G, 1);
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m256 inv = _mm256_set1_ps(1.f / sums[g]);
+    for (int64_t d = 0; d < Dv; d += 8) _mm256_storeu_ps(ob + g * Dv + d, _mm256_mul_ps(_mm256_loadu_ps(ob + g * Dv + d), inv));
+  }
+  for (int g = 0; g < G; ++g) a->lse[(qi * a->heads + h) * G + g] = maxs[g] + logf(sums[g]);
+}
+#endif
+
+static void run_task(const Args *a, int64_t t, float *scores) {
+  const int64_t qi = t / a->heads, h = t % a->heads;
+#ifdef __AVX2__
+  if (a->dim % 8 == 0 && a->vdim % 8 == 0) {
+    switch (a->groups) {  // each case is task_vec specialised for its G
+      case 1: task_vec(a, qi, h, scores, 1); return;
+      case 2: task_vec(a, qi, h, scores, 2); return;
+      case 3: task_vec(a, qi, h, scores, 3); return;
+      case 4: task_vec(a, qi, h, scores, 4); return;
+      case 5: task_vec(a, qi, h, scores, 5); return;
+      case 6: task_vec(a, qi, h, scores, 6); return;
+      case 7: task_vec(a, qi, h, scores, 7); return;
+      case 8: task_vec(a, qi, h, scores, 8); return;
+      default: break;
+    }
+  }
+#endif
+  task_scalar(a, qi, h, scores);
+}
+
+// q [Nq, H, G, D]; k [S, H, D] and v [S, H, Dv] (rows k_row / v_row floats apart); slots [R, L];
+// rows [Nq] (query i reads slot row rows[i]; NULL: row i); lens [Nq] (>= 1 each);
+// out [Nq, H, G, Dv]; lse [Nq, H, G].
+void paged_attention(const float *q, const float *k, const float *v, const int64_t *slots, const int64_t *rows,
+                     const int64_t *lens, float *out, float *lse, int64_t num_queries, int64_t heads,
+                     int64_t groups, int64_t dim, int64_t vdim, int64_t max_len, int64_t k_row, int64_t v_row,
+                     float scale, int threads) {
+  const Args a = {q, k, v, slots, rows, lens, out, lse, heads, groups, dim, vdim, max_len, k_row, v_row, scale};
+  const int64_t tasks = num_queries * heads;
+  if (threads < 1) threads = 1;
+  if (threads > tasks) threads = (int)tasks;
+  // torch's OpenMP runtime (same soname, already loaded): its threads, not new ones per call.
+  // Dynamic chunks: causal prefill tasks grow with the token's position.
+#pragma omp parallel num_threads(threads)
+  {
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(groups * (max_len > 0 ? max_len : 1)));
+#pragma omp for schedule(dynamic, 8)
+    for (int64_t t = 0; t < tasks; ++t) run_task(&a, t, scores);
+    free(scores);
+  }
+}
