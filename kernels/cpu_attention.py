@@ -23,7 +23,7 @@ _REF_CHUNK = 64
 def paged_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                         lens: torch.Tensor, scale: float, rows: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [N, H, G, D] (G query heads per kv head); k_pool [S, H, D], v_pool [S, H, Dv]; slots [R, L];
+    """q [N, H, G, D] (G query heads per kv head); k_pool [H, S, D], v_pool [H, S, Dv]; slots [R, L];
     query i reads slot row rows[i] (row i when rows is None) and attends to its first lens[i] keys.
     Returns out [N, H, G, Dv] and the log-sum-exp of each query's scores [N, H, G]."""
     if rows is None:
@@ -43,11 +43,11 @@ def paged_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
 
 
 def gather_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V of slots [B, L] as [B, H, L, D] (index_select on a flat index: much faster than 2-D indexing)."""
+    """K, V of slots [B, L] from pools [H, S, D] as [B, H, L, D] (index_select on a flat index)."""
     batch, length = slots.shape
     flat = slots.reshape(-1)
-    k = k_pool.index_select(0, flat).view(batch, length, *k_pool.shape[1:]).transpose(1, 2)
-    v = v_pool.index_select(0, flat).view(batch, length, *v_pool.shape[1:]).transpose(1, 2)
+    k = k_pool.index_select(1, flat).view(k_pool.shape[0], batch, length, -1).transpose(0, 1)
+    v = v_pool.index_select(1, flat).view(v_pool.shape[0], batch, length, -1).transpose(0, 1)
     return k, v
 
 
@@ -64,8 +64,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     """Same contract as paged_attention_ref; the C kernel where it applies."""
     lib = _library()
     if (lib is None or q.device.type != "cpu" or q.dtype != torch.float32 or k_pool.dtype != torch.float32
-            or k_pool.stride(-1) != 1 or k_pool.stride(1) != k_pool.shape[2]
-            or v_pool.stride(-1) != 1 or v_pool.stride(1) != v_pool.shape[2]):
+            or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1):
         return paged_attention_ref(q, k_pool, v_pool, slots, lens, scale, rows)
     q = q.contiguous()
     slots = slots.contiguous()
@@ -80,8 +79,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     lib.paged_attention(
         q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), None if rows is None else rows.data_ptr(),
         lens.data_ptr(), out.data_ptr(), lse.data_ptr(), num_queries, heads, groups, dim, vdim, slots.shape[1],
-        k_pool.stride(0), v_pool.stride(0),
-        scale, threads,
+        k_pool.stride(1), v_pool.stride(1), k_pool.stride(0), v_pool.stride(0), scale, threads,
     )
     return out, lse
 
@@ -91,6 +89,6 @@ def _library() -> ctypes.CDLL | None:
     lib = load_library("paged_attention")
     if lib is not None:
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        lib.paged_attention.argtypes = [p] * 8 + [i64] * 8 + [f32, ctypes.c_int]
+        lib.paged_attention.argtypes = [p] * 8 + [i64] * 10 + [f32, ctypes.c_int]
         lib.paged_attention.restype = None
     return lib

@@ -18,7 +18,7 @@ typedef struct {
   const float *q, *k, *v;
   const int64_t *slots, *rows, *lens;
   float *out, *lse;
-  int64_t heads, groups, dim, vdim, max_len, k_row, v_row;
+  int64_t heads, groups, dim, vdim, max_len, k_row, v_row, k_head, v_head;
   float scale;
 } Args;
 
@@ -38,7 +38,7 @@ static void task_scalar(const Args *a, int64_t qi, int64_t h, float *scores) {
   for (int64_t g = 0; g < G; ++g) {
     float mx = -INFINITY, sum = 0.f;
     for (int64_t j = 0; j < n; ++j) {
-      const float *kr = a->k + sl[j] * a->k_row + h * D;
+      const float *kr = a->k + h * a->k_head + sl[j] * a->k_row;
       float s = 0.f;
       for (int64_t d = 0; d < D; ++d) s += qb[g * D + d] * kr[d];
       scores[j] = s * a->scale;
@@ -48,7 +48,7 @@ static void task_scalar(const Args *a, int64_t qi, int64_t h, float *scores) {
     float *o = ob + g * Dv;
     memset(o, 0, sizeof(float) * (size_t)Dv);
     for (int64_t j = 0; j < n; ++j) {
-      const float *vr = a->v + sl[j] * a->v_row + h * Dv;
+      const float *vr = a->v + h * a->v_head + sl[j] * a->v_row;
       for (int64_t d = 0; d < Dv; ++d) o[d] += scores[j] * vr[d];
     }
     for (int64_t d = 0; d < Dv; ++d) o[d] /= sum;
@@ -86,7 +86,7 @@ static inline __attribute__((always_inline)) void task_vec(const Args *a, int64_
   const int64_t D = a->dim, Dv = a->vdim, L = a->max_len, n = a->lens[qi];
   const int64_t *sl = a->slots + (a->rows ? a->rows[qi] : qi) * L;
   const float *qb = a->q + (qi * a->heads + h) * G * D;
-  const float *kb = a->k + h * D, *vb = a->v + h * Dv;
+  const float *kb = a->k + h * a->k_head, *vb = a->v + h * a->v_head;
   const int64_t kr = a->k_row, vr = a->v_row;
   // scores[g * L + j] = scale * q_g . k_j, four keys at a time
   int64_t j = 0;
@@ -183,14 +183,16 @@ static void run_task(const Args *a, int64_t t, float *scores) {
   task_scalar(a, qi, h, scores);
 }
 
-// q [Nq, H, G, D]; k [S, H, D] and v [S, H, Dv] (rows k_row / v_row floats apart); slots [R, L];
+// q [Nq, H, G, D]; k [H, S, D] and v [H, S, Dv] (slots k_row / v_row floats apart, heads k_head /
+// v_head; head-major pools put one head's consecutive slots in one contiguous run); slots [R, L];
 // rows [Nq] (query i reads slot row rows[i]; NULL: row i); lens [Nq] (>= 1 each);
 // out [Nq, H, G, Dv]; lse [Nq, H, G].
 void paged_attention(const float *q, const float *k, const float *v, const int64_t *slots, const int64_t *rows,
                      const int64_t *lens, float *out, float *lse, int64_t num_queries, int64_t heads,
                      int64_t groups, int64_t dim, int64_t vdim, int64_t max_len, int64_t k_row, int64_t v_row,
-                     float scale, int threads) {
-  const Args a = {q, k, v, slots, rows, lens, out, lse, heads, groups, dim, vdim, max_len, k_row, v_row, scale};
+                     int64_t k_head, int64_t v_head, float scale, int threads) {
+  const Args a = {q, k, v, slots, rows, lens, out, lse, heads, groups, dim, vdim, max_len, k_row, v_row, k_head,
+                  v_head, scale};
   const int64_t tasks = num_queries * heads;
   if (threads < 1) threads = 1;
   if (threads > tasks) threads = (int)tasks;

@@ -94,7 +94,8 @@ class KVAllocator:
 
 
 class KVPool:
-    """Per-layer K and V buffers of shape [num_slots, num_kv_heads, head_dim]."""
+    """Per-layer K and V buffers of shape [num_kv_heads, num_slots, head_dim]: head-major, so the keys
+    of one head and consecutive slots lie in one contiguous run (decode attention streams them)."""
 
     def __init__(
         self,
@@ -110,15 +111,16 @@ class KVPool:
         v_dim = v_head_dim or head_dim
         # empty, not zeros: untouched parts of a large pool then cost neither time nor resident memory.
         # Only the padding page is read before being written (masked out, but NaN * 0 is NaN): zero it.
-        self.k = [torch.empty((num_slots, num_kv_heads, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty((num_slots, num_kv_heads, v_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.empty((num_kv_heads, num_slots, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty((num_kv_heads, num_slots, v_dim), dtype=dtype, device=device) for _ in range(num_layers)]
         for buf in self.k + self.v:
-            buf[:padding_slots].zero_()
+            buf[:, :padding_slots].zero_()
         self.num_slots = num_slots
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        """k, v: [T, num_kv_heads, D] for the T slots."""
+        self.k[layer].index_copy_(1, slots, k.transpose(0, 1))
+        self.v[layer].index_copy_(1, slots, v.transpose(0, 1))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

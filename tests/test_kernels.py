@@ -16,8 +16,8 @@ def test_paged_attention_kernel_matches_reference(batch, heads, groups, dim, len
     assert _library() is not None, "the C kernel should build here (a C compiler is on the machine)"
     torch.manual_seed(0)
     slots_total = 4096
-    k = torch.randn(slots_total, heads, dim)
-    v = torch.randn(slots_total, heads, dim)
+    k = torch.randn(heads, slots_total, dim)
+    v = torch.randn(heads, slots_total, dim)
     slots = torch.randint(1, slots_total, (batch, length))
     lens = torch.randint(1, length + 1, (batch,))
     lens[0] = 1
@@ -32,7 +32,7 @@ def test_paged_attention_kernel_matches_reference(batch, heads, groups, dim, len
 def test_paged_attention_extend_rows_match_reference(heads, groups, dim):
     """Extend tokens share their request's slot row and each sees the keys up to its position."""
     torch.manual_seed(heads * groups + dim)
-    k, v = torch.randn(512, heads, dim), torch.randn(512, heads, dim)
+    k, v = torch.randn(heads, 512, dim), torch.randn(heads, 512, dim)
     slots = torch.randint(1, 512, (3, 40))
     q_lens = torch.tensor([40, 1, 17])
     rows = torch.repeat_interleave(torch.arange(3), q_lens)
@@ -43,7 +43,7 @@ def test_paged_attention_extend_rows_match_reference(heads, groups, dim):
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
     # token 0 sees one key: its output is that key's value
-    torch.testing.assert_close(out[0], v[slots[0, 0]].unsqueeze(1).expand(heads, groups, dim))
+    torch.testing.assert_close(out[0], v[:, slots[0, 0]].unsqueeze(1).expand(heads, groups, dim))
 
 
 @pytest.mark.parametrize("rows", [1, 64, 2048])
@@ -61,7 +61,7 @@ def test_fused_ops_match_torch(rows):
 
 
 def test_kernel_falls_back_for_other_dtypes():
-    k = torch.randn(64, 2, 16, dtype=torch.bfloat16)
+    k = torch.randn(2, 64, 16, dtype=torch.bfloat16)
     q = torch.randn(2, 2, 2, 16, dtype=torch.bfloat16)
     slots = torch.randint(1, 64, (2, 5))
     lens = torch.tensor([5, 3])

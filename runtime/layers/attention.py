@@ -35,7 +35,7 @@ def _group_attention(
     g: AttnGroup, pool: KVPool, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
-    num_kv = pool.k[layer].shape[1]
+    num_kv = pool.k[layer].shape[0]
     per_kv = num_heads // num_kv
     if g.q_req is not None and g.kv_slots.shape[0] == 1 and g.kv_slots.shape[1] == num_tokens:
         # one request with nothing cached: causal attention on the fresh K/V, no gather
@@ -56,7 +56,7 @@ def _own_keys(g: AttnGroup, pool: KVPool, layer: int, q: torch.Tensor, scale: fl
     """Each query against its keys in g.kv_slots. Returns out [T, Hkv, G, D] (and lse [T, Hkv, G]
     when with_lse)."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv = pool.k[layer].shape[1]
+    num_kv = pool.k[layer].shape[0]
     qh = q.view(num_tokens, num_kv, num_heads // num_kv, head_dim)
     if g.q_req is None:  # decode: one query per request
         out, lse = cpu_attention.paged_attention(qh, pool.k[layer], pool.v[layer], g.kv_slots, g.kv_lens, scale)
@@ -69,10 +69,10 @@ def _shared_prefix(g: AttnGroup, pool: KVPool, layer: int, q: torch.Tensor, scal
     """All queries of the group against the shared prefix, read once: one attention with T * G queries
     per kv head. Returns out [T, Hkv, G, D], lse [T, Hkv, G]."""
     num_tokens, num_heads, head_dim = q.shape
-    num_kv = pool.k[layer].shape[1]
+    num_kv = pool.k[layer].shape[0]
     per_kv = num_heads // num_kv
-    kp = pool.k[layer].index_select(0, g.prefix_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, P, D]
-    vp = pool.v[layer].index_select(0, g.prefix_slots).transpose(0, 1).unsqueeze(0)
+    kp = pool.k[layer].index_select(1, g.prefix_slots).unsqueeze(0)  # [1, Hkv, P, D]
+    vp = pool.v[layer].index_select(1, g.prefix_slots).unsqueeze(0)
     qp = q.view(num_tokens, num_kv, per_kv, head_dim).permute(1, 0, 2, 3).reshape(1, num_kv, -1, head_dim)
     out, lse = cpu_attention.attention_with_lse(qp, kp, vp, None, scale)
     out = out.view(num_kv, num_tokens, per_kv, head_dim).permute(1, 0, 2, 3)
