@@ -2,7 +2,9 @@
 
 - parks constrained requests until their grammar compiles (thread pool, LRU cache), failing
   bad grammars and slow compiles with a 400;
-- fills the batch's token bitmasks on a worker thread while the forward runs;
+- samples plain (greedy or temperature) requests without their mask first and fills it only
+  where the grammar rejects the pick (exact; most picks pass, so most fills are skipped);
+- fills the other requests' token bitmasks on a worker thread while the forward runs;
 - advances each request's matcher over its sampled token and plans jump-forward drafts;
 - verifies drafts against the model's own picks (constrained/jump_forward.py).
 """
@@ -41,6 +43,7 @@ class GrammarManager:
         self.compiling: list[Req] = []
         self.tokens_jumped = 0  # draft tokens the model confirmed
         self.drafted = 0
+        self.lazy_fills = 0  # masks filled because an unmasked pick was rejected
 
     # ---- compile ---------------------------------------------------------------------------
     def submit(self, req: Req, kind: str, text: str) -> None:
@@ -82,7 +85,7 @@ class GrammarManager:
         """Fill the masks of the constrained requests among `sampling` on the worker thread (the
         forward runs meanwhile). A drafting request gets one row per draft position, its
         matcher stepping through the draft; `verify` rolls back what the model rejects."""
-        reqs = [r for r in sampling if r.grammar is not None]
+        reqs = [r for r in sampling if r.grammar is not None and not self.lazy(r)]
         if not reqs:
             return None
 
@@ -103,6 +106,37 @@ class GrammarManager:
         return self._pool.submit(fill)
 
     @staticmethod
+    def lazy(req: Req) -> bool:
+        """Sample without the mask first, and mask only if the grammar rejects the pick? Exact for a
+        greedy or plain temperature draw: a rejected draw followed by a masked draw picks each allowed
+        token with its probability renormalised over the allowed set, as the masked draw alone does.
+        Not for top-k/p, min-p (the cut depends on the mask), logprobs (reported masked) or drafts."""
+        p = req.params
+        return not req.draft and not req.return_logprob and p.top_k == -1 and p.top_p == 1 and p.min_p == 0
+
+    def settle(self, logits: torch.Tensor, reqs: list[Req], rows: list[SampleRow], next_ids: list[int],
+               masks: Masks | None) -> set[int]:
+        """Advance the matchers of the lazily masked requests over their unmasked picks; where the
+        grammar rejects one, fill that mask now and sample the row again. Returns the indices whose
+        token the matcher has accepted (on_token then skips accepting it)."""
+        first = masks[1] if masks is not None else {}
+        accepted = set()
+        for k, req in enumerate(reqs):
+            if req.grammar is None or id(req) in first:
+                continue
+            if not req.grammar.accept_token(next_ids[k]):
+                bitmask = allocate_bitmask(1, self.vocab_size)
+                req.grammar.fill_bitmask(bitmask, 0)
+                row = logits[k : k + 1].clone()
+                apply_token_bitmask_(row, bitmask)
+                next_ids[k] = sample(row, [rows[k]]).next_ids[0]
+                self.lazy_fills += 1
+                if not req.grammar.accept_token(next_ids[k]):
+                    continue  # unreachable (the mask allows it); on_token reports it
+            accepted.add(k)
+        return accepted
+
+    @staticmethod
     def apply(logits: torch.Tensor, reqs: list[Req], masks: Masks) -> None:
         """Mask the rows of `logits` (row k belongs to reqs[k]) in one op."""
         bitmask, first = masks
@@ -114,9 +148,10 @@ class GrammarManager:
         logits[ks] = sub
 
     # ---- tokens ----------------------------------------------------------------------------
-    def on_token(self, req: Req, tok: int, eos_ids: set[int], context_length: int) -> None:
-        """Advance the matcher over a sampled token; finish or plan the next draft."""
-        if not req.grammar.accept_token(tok):  # the mask makes this unreachable; never emit invalid output
+    def on_token(self, req: Req, tok: int, eos_ids: set[int], context_length: int, accepted: bool = False) -> None:
+        """Advance the matcher over a sampled token (unless `accepted` says settle did); finish or
+        plan the next draft."""
+        if not accepted and not req.grammar.accept_token(tok):  # unreachable; never emit invalid output
             req.finish = FinishReason("abort", message=f"the grammar rejected token {tok}")
             return
         if req.grammar.is_terminated():
@@ -171,6 +206,6 @@ class GrammarManager:
 
     def stats(self) -> dict:
         return {"num_compiling": len(self.compiling), "tokens_jumped": self.tokens_jumped,
-                "tokens_drafted": self.drafted,
+                "tokens_drafted": self.drafted, "lazy_mask_fills": self.lazy_fills,
                 "grammar_cache_hits": self.cache.hits if self.cache else 0,
                 "grammar_cache_misses": self.cache.misses if self.cache else 0}

@@ -284,6 +284,7 @@ class Scheduler:
         if masks is not None:
             self.grammars.apply(selected, [req for req, _ in to_sample], masks)
         result = sample(selected, rows)
+        settled = self.grammars.settle(selected, [req for req, _ in to_sample], rows, result.next_ids, masks)
         for k, (req, _) in enumerate(to_sample):
             tok = result.next_ids[k]
             req.output_ids.append(tok)
@@ -295,7 +296,7 @@ class Scheduler:
                     vals, ids = result.top_logprobs[k]
                     req.pending_top.append(list(zip(vals, ids)))
             if req.grammar is not None:
-                self.grammars.on_token(req, tok, self.eos_ids, self.context_length)
+                self.grammars.on_token(req, tok, self.eos_ids, self.context_length, accepted=k in settled)
             else:
                 req.check_finished(self.eos_ids, self.tokenizer, self.context_length)
 
