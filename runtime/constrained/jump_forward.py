@@ -20,8 +20,10 @@ MAX_DRAFT = 32
 def plan_draft(matcher: Matcher, tokenizer, room: int) -> list[int]:
     """Token ids of the grammar's forced continuation (at most `room`), checked against the
     matcher, which is left unchanged. [] when there is nothing forced."""
+    if room <= 0:
+        return []
     forced = matcher.jump_forward_string()
-    if not forced or room <= 0:
+    if not forced:
         return []
     ids = tokenizer.encode(forced, add_special_tokens=False)[: min(room, MAX_DRAFT)]
     accepted = 0

@@ -110,9 +110,10 @@ class GrammarManager:
         """Sample without the mask first, and mask only if the grammar rejects the pick? Exact for a
         greedy or plain temperature draw: a rejected draw followed by a masked draw picks each allowed
         token with its probability renormalised over the allowed set, as the masked draw alone does.
-        Not for top-k/p, min-p (the cut depends on the mask), logprobs (reported masked) or drafts."""
+        Drafts are verified the same way, position by position. Not for top-k/p or min-p (the cut
+        depends on the mask) nor logprobs (reported masked)."""
         p = req.params
-        return not req.draft and not req.return_logprob and p.top_k == -1 and p.top_p == 1 and p.min_p == 0
+        return not req.return_logprob and p.top_k == -1 and p.top_p == 1 and p.min_p == 0
 
     def settle(self, logits: torch.Tensor, reqs: list[Req], rows: list[SampleRow], next_ids: list[int],
                masks: Masks | None) -> set[int]:
@@ -175,28 +176,52 @@ class GrammarManager:
     def verify(self, req: Req, rows: torch.Tensor, masks: Masks, eos_ids: set[int], context_length: int) -> None:
         """rows: logits at the last sampled token and at each draft position (1 + len(draft))."""
         draft = req.draft
-        rows = rows.clone()
-        bitmask, first = masks
-        row = first[id(req)]
-        apply_token_bitmask_(rows, bitmask[row : row + len(rows)])
-        if req.params.is_greedy:
-            chosen = rows.argmax(-1).tolist()
+        sr = SampleRow(req.params, req.generator, req.output_ids, req.origin_input_ids, [], False, 0)
+        lazy = masks is None or id(req) not in masks[1]
+        if lazy:
+            m, tok = self._verify_lazily(req, rows, sr)
         else:
-            sr = SampleRow(req.params, req.generator, req.output_ids, req.origin_input_ids, [], False, 0)
-            chosen = sample(rows, [sr] * len(rows)).next_ids
-        m = accepted_prefix(draft, chosen)
+            rows = rows.clone()
+            bitmask, first = masks
+            row = first[id(req)]
+            apply_token_bitmask_(rows, bitmask[row : row + len(rows)])
+            if req.params.is_greedy:
+                chosen = rows.argmax(-1).tolist()
+            else:
+                chosen = sample(rows, [sr] * len(rows)).next_ids
+            m = accepted_prefix(draft, chosen)
+            req.grammar.rollback(len(draft) - m)
+            tok = chosen[m]
         rejected = len(draft) - m
-        req.grammar.rollback(rejected)
         if rejected:
             del req.output_ids[-rejected:]
         req.pending_ids.extend(draft[:m])
         self.tokens_jumped += m
         req.draft = []
         req.cached_len = req.seq_len  # every kept token was computed in this forward
-        tok = chosen[m]
         req.output_ids.append(tok)
         req.pending_ids.append(tok)
-        self.on_token(req, tok, eos_ids, context_length)
+        self.on_token(req, tok, eos_ids, context_length, accepted=lazy)  # the lazy walk accepted it
+
+    def _verify_lazily(self, req: Req, rows: torch.Tensor, sr: SampleRow) -> tuple[int, int]:
+        """Walk the draft position by position, picking as `settle` does (unmasked first, the mask
+        only on rejection); the matcher ends having accepted the kept draft and the final pick.
+        Returns (draft tokens kept, final token)."""
+        draft = req.draft
+        for i in range(len(rows)):
+            row = rows[i : i + 1]
+            tok = sample(row, [sr]).next_ids[0]
+            if not req.grammar.accept_token(tok):
+                bitmask = allocate_bitmask(1, self.vocab_size)
+                req.grammar.fill_bitmask(bitmask, 0)
+                row = row.clone()
+                apply_token_bitmask_(row, bitmask)
+                tok = sample(row, [sr]).next_ids[0]
+                self.lazy_fills += 1
+                req.grammar.accept_token(tok)  # allowed by the mask
+            if i == len(draft) or tok != draft[i]:
+                return i, tok
+        raise AssertionError("unreachable: the last row always ends the walk")
 
     def drop_draft(self, req: Req) -> None:
         """Forget an unverified draft (the request is being retracted)."""
