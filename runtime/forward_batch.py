@@ -80,9 +80,8 @@ def build_group(
     kv_slot_rows: torch.Tensor,
     kv_lens: torch.Tensor,
     q_lens: torch.Tensor,
-    q_per_kv: int = 1,
 ) -> AttnGroup:
-    """Build gather indices and masks for requests whose keys are kv_slot_rows[b, :kv_lens[b]]
+    """Attention metadata for requests whose keys are kv_slot_rows[b, :kv_lens[b]]
     and whose queries are their last q_lens[b] positions."""
     batch = kv_lens.numel()
     kv_max = int(kv_lens.max())

@@ -90,7 +90,6 @@ class ModelRunner:
             logit_rows.extend(start + o for o in it.logit_offsets)
             item_of_row.extend([i] * len(it.logit_offsets))
             start += n
-        per_kv = self.config.num_heads // self.config.num_kv_heads
 
         def group(indices: list[int], first: int):
             if not indices:
@@ -99,7 +98,7 @@ class ModelRunner:
             kv_lens = torch.tensor([items[i].cached_len + len(items[i].tokens) for i in indices])
             q_lens = torch.tensor([len(items[i].tokens) for i in indices])
             kv_max = int(kv_lens.max())
-            return build_group(first, table[:, :kv_max][rows], kv_lens, q_lens, per_kv)
+            return build_group(first, table[:, :kv_max][rows], kv_lens, q_lens)
 
         ext_group = group(ext, 0)
         dec_group = group(dec, ext_group.num_tokens if ext_group else 0)

@@ -58,10 +58,9 @@ def _own_keys(g: AttnGroup, pool: KVPool, layer: int, q: torch.Tensor, scale: fl
     num_tokens, num_heads, head_dim = q.shape
     num_kv = pool.k[layer].shape[0]
     qh = q.view(num_tokens, num_kv, num_heads // num_kv, head_dim)
-    if g.q_req is None:  # decode: one query per request
-        out, lse = cpu_attention.paged_attention(qh, pool.k[layer], pool.v[layer], g.kv_slots, g.kv_lens, scale)
-    else:
-        out, lse = cpu_attention.paged_attention(qh, pool.k[layer], pool.v[layer], g.kv_slots, g.q_kv_lens, scale, g.q_req)
+    # decode: one query per request, reading its own row; extend: each token its request's row
+    lens, rows = (g.kv_lens, None) if g.q_req is None else (g.q_kv_lens, g.q_req)
+    out, lse = cpu_attention.paged_attention(qh, pool.k[layer], pool.v[layer], g.kv_slots, lens, scale, rows)
     return (out, lse) if with_lse else out
 
 
