@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from plait.kernels.cpu_build import load_library
+from plait.kernels.cpu_build import F32, I64, INT, PTR, load_library
 
 _MIN_ROWS_PER_THREAD = 2048
 _REF_CHUNK = 64
@@ -86,9 +86,4 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    lib = load_library("paged_attention")
-    if lib is not None:
-        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        lib.paged_attention.argtypes = [p] * 8 + [i64] * 10 + [f32, ctypes.c_int]
-        lib.paged_attention.restype = None
-    return lib
+    return load_library("paged_attention", paged_attention=(PTR,) * 8 + (I64,) * 10 + (F32, INT))

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from plait.kernels.cpu_build import load_library
+from plait.kernels.cpu_build import I64, PTR, load_library
 
 
 def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
@@ -24,9 +24,4 @@ def apply_token_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor) -> bool
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    lib = load_library("token_bitmask")
-    if lib is not None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.apply_token_bitmask.argtypes = [p, p, i64, i64, i64, i64]
-        lib.apply_token_bitmask.restype = None
-    return lib
+    return load_library("token_bitmask", apply_token_bitmask=(PTR, PTR, I64, I64, I64, I64))

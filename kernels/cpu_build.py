@@ -8,7 +8,6 @@ PLAIT_DISABLE_C_KERNELS is set, callers get None and run their torch reference.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -23,16 +22,24 @@ logger = logging.getLogger(__name__)
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 
-@functools.lru_cache(maxsize=None)
-def load_library(name: str) -> ctypes.CDLL | None:
-    """`kernels/<name>.c` as a loaded library, or None where it cannot be built."""
+# argument types of the kernels' C signatures
+PTR, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+def load_library(name: str, **signatures: tuple) -> ctypes.CDLL | None:
+    """`kernels/<name>.c` as a loaded library, or None where it cannot be built. Each keyword names
+    one of its functions (all return void) with its argument types. Callers cache the result."""
     if os.environ.get("PLAIT_DISABLE_C_KERNELS"):
         return None
     try:
-        return ctypes.CDLL(str(_build(Path(__file__).with_name(f"{name}.c"))))
+        lib = ctypes.CDLL(str(_build(Path(__file__).with_name(f"{name}.c"))))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         logger.warning("C kernel %s unavailable (%s); using its torch reference", name, e)
         return None
+    for fn, argtypes in signatures.items():
+        getattr(lib, fn).argtypes = list(argtypes)
+        getattr(lib, fn).restype = None
+    return lib
 
 
 def _build(source_path: Path) -> Path:

@@ -10,7 +10,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from plait.kernels.cpu_build import load_library
+from plait.kernels.cpu_build import F32, I64, INT, PTR, load_library
 
 
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,12 +67,5 @@ def _fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    lib = load_library("fused_ops")
-    if lib is not None:
-        p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        lib.rms_norm.argtypes = [p, p, p, i64, i64, f32, i32]
-        lib.add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
-        lib.silu_mul.argtypes = [p, p, i64, i64, i32]
-        for f in (lib.rms_norm, lib.add_rms_norm, lib.silu_mul):
-            f.restype = None
-    return lib
+    return load_library("fused_ops", rms_norm=(PTR, PTR, PTR, I64, I64, F32, INT),
+                        add_rms_norm=(PTR, PTR, PTR, PTR, I64, I64, F32, INT), silu_mul=(PTR, PTR, I64, I64, INT))

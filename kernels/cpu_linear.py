@@ -13,7 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from plait.kernels.cpu_build import load_library
+from plait.kernels.cpu_build import I64, INT, PTR, load_library
 
 MAX_ROWS = 32  # crossover against F.linear measured by benchmarks/bench_linear.py on AVX2
 
@@ -35,9 +35,4 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    lib = load_library("skinny_linear")
-    if lib is not None:
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.skinny_linear.argtypes = [p, p, p, p, i64, i64, i64, ctypes.c_int]
-        lib.skinny_linear.restype = None
-    return lib
+    return load_library("skinny_linear", skinny_linear=(PTR, PTR, PTR, PTR, I64, I64, I64, INT))

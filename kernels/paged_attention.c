@@ -127,9 +127,7 @@ static inline __attribute__((always_inline)) void task_vec(const Args *a, int64_
     __m256 vmx = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + i));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    float mx = hmax(vmx);
     for (; i < n; ++i) mx = s[i] > mx ? s[i] : mx;
     const __m256 m = _mm256_set1_ps(mx);
     __m256 tot = _mm256_setzero_ps();

@@ -11,6 +11,14 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
+// the largest of a vector's eight lanes
+static inline float hmax(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+
 // e^x, relative error ~2e-7; 0 below -87, clamped at 88 (no inf)
 static inline __m256 exp256(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));

@@ -126,12 +126,7 @@ class GrammarManager:
             if req.grammar is None or id(req) in first:
                 continue
             if not req.grammar.accept_token(next_ids[k]):
-                bitmask = allocate_bitmask(1, self.vocab_size)
-                req.grammar.fill_bitmask(bitmask, 0)
-                row = logits[k : k + 1].clone()
-                apply_token_bitmask_(row, bitmask)
-                next_ids[k] = sample(row, [rows[k]]).next_ids[0]
-                self.lazy_fills += 1
+                next_ids[k] = self._masked_pick(req, logits[k : k + 1], rows[k])
                 if not req.grammar.accept_token(next_ids[k]):
                     continue  # unreachable (the mask allows it); on_token reports it
             accepted.add(k)
@@ -203,6 +198,16 @@ class GrammarManager:
         req.pending_ids.append(tok)
         self.on_token(req, tok, eos_ids, context_length, accepted=lazy)  # the lazy walk accepted it
 
+    def _masked_pick(self, req: Req, row: torch.Tensor, sr: SampleRow) -> int:
+        """Sample the logits row [1, vocab] again under the mask of the matcher's current state (the
+        unmasked pick was refused)."""
+        bitmask = allocate_bitmask(1, self.vocab_size)
+        req.grammar.fill_bitmask(bitmask, 0)
+        row = row.clone()
+        apply_token_bitmask_(row, bitmask)
+        self.lazy_fills += 1
+        return sample(row, [sr]).next_ids[0]
+
     def _verify_lazily(self, req: Req, rows: torch.Tensor, sr: SampleRow) -> tuple[int, int]:
         """Walk the draft position by position, picking as `settle` does (unmasked first, the mask
         only on rejection); the matcher ends having accepted the kept draft and the final pick.
@@ -212,12 +217,7 @@ class GrammarManager:
             row = rows[i : i + 1]
             tok = sample(row, [sr]).next_ids[0]
             if not req.grammar.accept_token(tok):
-                bitmask = allocate_bitmask(1, self.vocab_size)
-                req.grammar.fill_bitmask(bitmask, 0)
-                row = row.clone()
-                apply_token_bitmask_(row, bitmask)
-                tok = sample(row, [sr]).next_ids[0]
-                self.lazy_fills += 1
+                tok = self._masked_pick(req, row, sr)
                 req.grammar.accept_token(tok)  # allowed by the mask
             if i == len(draft) or tok != draft[i]:
                 return i, tok
