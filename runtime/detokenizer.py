@@ -82,12 +82,13 @@ def run_detokenizer_process(args, addrs, ready) -> None:
     import os
     import traceback
 
+    import msgspec
     import zmq
 
-    from plait.runtime.io_struct import BatchStrOut, BatchTokenOut, DecodeSpec, StrOut, ToDetokenizer
-    from plait.runtime.ipc import Receiver, Sender, die_with_parent, parent_alive
+    from plait.runtime.io_struct import BatchStrOut, BatchTokenOut, FinishReason, StrOut, ToDetokenizer
+    from plait.runtime.ipc import BadMessage, Receiver, Sender, die_with_parent, parent_alive
 
-    die_with_parent()
+    die_with_parent(addrs.root)
     ppid = os.getppid()
     logging.basicConfig(level=args.log_level.upper(), format="[plait detokenizer %(asctime)s] %(message)s")
     try:
@@ -107,25 +108,50 @@ def run_detokenizer_process(args, addrs, ready) -> None:
         ready.close()
 
     decoders: dict[str, IncrementalDecoder] = {}
+    failed: set[str] = set()  # requests this process failed; their later outputs are dropped
     while True:
         if not inbox.poll(1000):
             if not parent_alive(ppid):
                 return
             continue
-        msg = inbox.recv()
+        try:
+            msg = inbox.recv()
+        except BadMessage as e:
+            logging.error("dropped a message that does not decode: %s", e)
+            continue
         if not isinstance(msg, BatchTokenOut):
             out.send(msg)
             continue
         outs = []
         for o in msg.outs:
-            dec = decoders.get(o.rid)
-            if dec is None:
-                spec = o.decode or DecodeSpec()  # only the first output carries it
-                dec = decoders[o.rid] = IncrementalDecoder(tokenizer, spec.skip_special_tokens, spec.stop,
-                                                           spec.no_stop_trim, spec.spaces_between_special_tokens)
-            text = dec.feed(o.new_ids)
-            if o.finish is not None:
-                text += dec.finish()
-                del decoders[o.rid]
-            outs.append(StrOut(o, text))
+            if o.rid in failed:
+                if o.finish is not None:
+                    failed.discard(o.rid)
+                continue
+            try:
+                outs.append(StrOut(o, _detokenize(decoders, tokenizer, o)))
+            except Exception as e:  # noqa: BLE001 - one request's text failing ends that request alone
+                logging.exception("detokenizing request %s failed", o.rid)
+                decoders.pop(o.rid, None)
+                if o.finish is None:
+                    failed.add(o.rid)
+                reason = FinishReason("abort", status=500, message=f"internal error while detokenizing: "
+                                                                    f"{type(e).__name__}: {e}")
+                outs.append(StrOut(msgspec.structs.replace(o, new_ids=[], finish=reason), ""))
         out.send(BatchStrOut(outs))
+
+
+def _detokenize(decoders: dict[str, IncrementalDecoder], tokenizer, o) -> str:
+    """The newly visible text of one request's output."""
+    from plait.runtime.io_struct import DecodeSpec
+
+    dec = decoders.get(o.rid)
+    if dec is None:
+        spec = o.decode or DecodeSpec()  # only the first output carries it
+        dec = decoders[o.rid] = IncrementalDecoder(tokenizer, spec.skip_special_tokens, spec.stop,
+                                                   spec.no_stop_trim, spec.spaces_between_special_tokens)
+    text = dec.feed(o.new_ids)
+    if o.finish is not None:
+        text += dec.finish()
+        del decoders[o.rid]
+    return text

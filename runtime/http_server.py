@@ -20,10 +20,12 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from plait.runtime.http_guard import BodyError, Guard, error_body, parse_json_body
 from plait.runtime.launcher import RuntimeProcesses
 from plait.runtime.server_args import ServerArgs
-from plait.runtime.tokenizer_manager import GenerateInput, QueueFull, RuntimeClient, RuntimeDead
+from plait.runtime.tokenizer_manager import GenerateInput, QueueFull, RequestFailed, RuntimeClient, RuntimeDead
 
 logger = logging.getLogger(__name__)
 
@@ -32,17 +34,18 @@ _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "log
                   "return_text_in_logprobs", "stream", "rid"}
 
 
+# a runtime that died keeps answering 503 (on /health too) this long before the server exits
+_DEATH_GRACE = 2.0
+
+
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, type_: str | None = None):
         super().__init__(message)
-        self.status, self.message = status, message
-        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                              413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+        self.status, self.message, self.type = status, message, type_
 
 
 def error_response(status: int, message: str, type_: str | None = None) -> JSONResponse:
-    e = HTTPError(status, message, type_)
-    return JSONResponse({"error": {"message": e.message, "type": e.type, "code": status}}, status_code=status)
+    return JSONResponse(error_body(status, message, type_), status_code=status)
 
 
 def served_model_name(args: ServerArgs) -> str:
@@ -59,6 +62,7 @@ class ServerState:
         self.client: RuntimeClient | None = None
         self.model_name = served_model_name(args)
         self.on_death = lambda why: None  # replaced by launch_server to stop the process
+        self.shutting_down = False
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -72,23 +76,38 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.plait = state
     args = state.args
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if args.api_key and request.url.path not in ("/health",):
-            if request.headers.get("authorization", "") != f"Bearer {args.api_key}":
-                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > args.max_request_bytes:
-            return error_response(413, f"request body of {length} bytes exceeds the limit of {args.max_request_bytes}")
-        return await call_next(request)
+    app.add_middleware(Guard, api_key=args.api_key, max_body=args.max_request_bytes,
+                       allowed_hosts=args.host_list(), allowed_origins=args.origin_list())
+    if args.origin_list():  # outermost: answers browsers' preflights for the allowed origins
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=args.origin_list(), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, e: HTTPError):
         return error_response(e.status, e.message, e.type)
 
+    @app.exception_handler(BodyError)
+    async def _body_error(request: Request, e: BodyError):
+        return error_response(e.status, str(e))
+
     @app.exception_handler(ValueError)
     async def _value_error(request: Request, e: ValueError):
         return error_response(400, str(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_error(request: Request, e: StarletteHTTPException):  # 404, 405, ...
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(RequestFailed)
+    async def _failed(request: Request, e: RequestFailed):
+        return error_response(e.status, str(e))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):
+        logger.error("unhandled error on %s", request.url.path, exc_info=e)
+        return error_response(500, f"internal error: {type(e).__name__}: {e}")
 
     @app.exception_handler(QueueFull)
     async def _queue_full(request: Request, e: QueueFull):
@@ -116,7 +135,8 @@ def create_app(state: ServerState) -> FastAPI:
         inp = GenerateInput(**{k: v for k, v in body.items() if k in _GENERATE_KEYS and v is not None})
         client = state.client
         # errors (400, 429, 503) surface here, before a stream's headers are sent
-        gen = client.results(client.submit(client.tokenize(inp), inp.return_text_in_logprobs), inp.stream, inp.single)
+        msgs = await client.tokenize_async(inp)
+        gen = client.results(client.submit(msgs, inp.return_text_in_logprobs), inp.stream, inp.single)
         if inp.stream:
             return StreamingResponse(sse(request, gen), media_type="text/event-stream")
         return JSONResponse(await first_or_disconnect(request, client, gen))
@@ -129,7 +149,8 @@ def create_app(state: ServerState) -> FastAPI:
                 "served_model_name": state.model_name, "context_length": state.client.limits.context_length}
 
     async def server_info():
-        info: dict[str, Any] = {k: getattr(args, k) for k in args.__dataclass_fields__ if k != "api_key"}
+        info: dict[str, Any] = {k: getattr(args, k) for k in args.__dataclass_fields__
+                                if k not in ("api_key", "api_key_file")}
         info.update({"limits": {"context_length": state.client.limits.context_length,
                                 "kv_capacity": state.client.limits.kv_capacity},
                      "version": _version(),
@@ -148,7 +169,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.client is None or state.client.dead is not None:
+        if state.client is None or state.client.dead is not None or state.shutting_down:
             return Response(status_code=503)
         return Response(status_code=200)
 
@@ -187,23 +208,32 @@ def create_app(state: ServerState) -> FastAPI:
     from plait.runtime.openai_api import add_openai_routes
 
     add_openai_routes(app, state)
+
+    def openapi() -> dict:  # the OpenAI routes read their bodies themselves: add the models they document
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            from plait.runtime.openai_api import openapi_components
+
+            schema = get_openapi(title=app.title, version=_version(), routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components())
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
 # ---- helpers shared with the OpenAI routes ------------------------------------------------
 async def read_json(request: Request, limit: int) -> dict:
-    body = b""
-    async for chunk in request.stream():  # bounded even without a Content-Length header
-        body += chunk
-        if len(body) > limit:
+    """The body as a checked JSON object (http_guard.parse_json_body); bounded even when chunked."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
             raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HTTPError(400, f"the body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise HTTPError(400, "the body must be a JSON object")
-    return data
+    return parse_json_body(b"".join(chunks))
 
 
 async def first_or_disconnect(request: Request, client: RuntimeClient, gen: AsyncIterator):
@@ -234,9 +264,13 @@ async def sse(request: Request, gen: AsyncIterator[dict], render=None) -> AsyncI
             payload = render(item) if render else [item]
             for p in payload:
                 yield b"data: " + json.dumps(p, ensure_ascii=False).encode() + b"\n\n"
-    except (ValueError, QueueFull, RuntimeDead) as e:
-        code = 400 if isinstance(e, ValueError) else 429 if isinstance(e, QueueFull) else 503
-        yield b"data: " + json.dumps({"error": {"message": str(e), "type": "server_error", "code": code}}).encode() + b"\n\n"
+    except (ValueError, QueueFull, RuntimeDead, RequestFailed) as e:
+        code = (400 if isinstance(e, ValueError) else 429 if isinstance(e, QueueFull)
+                else e.status if isinstance(e, RequestFailed) else 503)
+        yield b"data: " + json.dumps(error_body(code, str(e))).encode() + b"\n\n"
+    except Exception as e:  # noqa: BLE001 - a bug rendering this stream ends it with an error event
+        logger.error("stream failed", exc_info=e)
+        yield b"data: " + json.dumps(error_body(500, f"internal error: {type(e).__name__}: {e}")).encode() + b"\n\n"
     finally:
         await gen.aclose()
     yield b"data: [DONE]\n\n"
@@ -265,22 +299,42 @@ def launch_server(args: ServerArgs) -> int:
     runtime = launch_runtime(args)
     state = ServerState(args, runtime, Metrics(served_model_name(args)) if args.enable_metrics else None)
     app = create_app(state)
+    # uvicorn's own cut-off comes after plait's drain has ended what was left with an error
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=30, access_log=args.log_level == "debug")
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5, access_log=args.log_level == "debug")
     server = _server_class()(config)
     exit_code = 0
 
     def on_death(why: str) -> None:
         nonlocal exit_code
         exit_code = 1
-        server.should_exit = True
+        # /health answers 503 a moment (the in-flight requests get their 503s), then the server exits
+        asyncio.get_running_loop().call_later(_DEATH_GRACE, lambda: setattr(server, "should_exit", True))
 
     state.on_death = on_death
 
+    def on_signal() -> None:
+        """Graceful stop: refuse new requests, let in-flight ones finish for --shutdown-timeout, then
+        end the rest with an error (streams get an error event and [DONE]), then exit 0."""
+        if state.shutting_down:
+            server.force_exit = True  # a second signal: stop now
+            return
+        state.shutting_down = True
+        if state.client is not None:
+            state.client.draining = True
+        server.should_exit = True
+        asyncio.get_running_loop().call_later(args.shutdown_timeout, _end_in_flight)
+
+    def _end_in_flight() -> None:
+        if state.client is not None and state.client.states:
+            logger.warning("shutdown: ending %d requests still in flight after %g s", len(state.client.states),
+                           args.shutdown_timeout)
+            state.client.end_all("the server is shutting down")
+
     async def serve() -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):  # graceful: finish in-flight requests, then exit 0
-            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
         announce = asyncio.ensure_future(_announce(server, args, start))
         try:
             await server.serve()

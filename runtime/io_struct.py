@@ -22,6 +22,7 @@ class TokenizedGenerateReq(msgspec.Struct, frozen=True, tag=True):
     logprob_start_len: int = -1  # -1: output logprobs only
     top_logprobs_num: int = 0
     stream: bool = False
+    group: str = ""  # sequences of one client request (a batch, n choices) share a group; "" alone
 
 
 class AbortReq(msgspec.Struct, frozen=True, tag=True):
@@ -32,7 +33,9 @@ class FinishReason(msgspec.Struct, frozen=True):
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None
     message: str | None = None
-    status: int | None = None  # an abort caused by the request itself (bad grammar): 400 for the client
+    # an abort with a status for the client: 400 (what it sent, e.g. a bad grammar), 500 (a bug met
+    # while serving it; other requests go on), 503 (the runtime died or shut down)
+    status: int | None = None
 
     def to_json(self) -> dict:
         out: dict = {"type": self.type}

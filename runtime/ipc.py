@@ -27,14 +27,61 @@ class Addresses:
 
     @staticmethod
     def private() -> tuple["Addresses", str]:
-        """Fresh ipc:// addresses in a new directory only this user can enter; returns them and the directory."""
-        root = tempfile.mkdtemp(prefix="plait-")
+        """Fresh ipc:// addresses in a new directory only this user can enter; returns them and the
+        directory (which names its owner's pid, so a later start can remove it if it was left behind)."""
+        remove_stale_dirs()
+        root = tempfile.mkdtemp(prefix=_PREFIX)
         os.chmod(root, 0o700)
+        with open(os.path.join(root, _OWNER), "w") as f:
+            f.write(str(os.getpid()))
         return Addresses(*(f"ipc://{os.path.join(root, n)}" for n in ("scheduler", "detokenizer", "client"))), root
+
+    @property
+    def root(self) -> str:
+        return os.path.dirname(self.scheduler[len("ipc://"):])
+
+
+_PREFIX = "plait-"
+_OWNER = "owner.pid"
 
 
 def remove_dir(root: str) -> None:
     shutil.rmtree(root, ignore_errors=True)
+
+
+def remove_stale_dirs() -> None:
+    """Socket directories whose owner process is gone (a server killed before it could clean up
+    and whose children could not either)."""
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        path = os.path.join(tmp, name)
+        if not name.startswith(_PREFIX):
+            continue
+        try:
+            with open(os.path.join(path, _OWNER)) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if not _pid_alive(pid):
+            remove_dir(path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class BadMessage(ValueError):
+    """A frame that does not decode as the channel's union; `rid` is its request id if one could be read."""
+
+    def __init__(self, message: str, rid: str | None):
+        super().__init__(message)
+        self.rid = rid
 
 
 class Receiver:
@@ -52,7 +99,15 @@ class Receiver:
             data = self.sock.recv(0 if block else zmq.NOBLOCK, copy=True)
         except zmq.Again:
             return None
-        return self._decoder.decode(data)
+        try:
+            return self._decoder.decode(data)
+        except msgspec.DecodeError as e:  # ValidationError included
+            try:
+                loose = msgspec.msgpack.decode(data)
+                rid = loose.get("rid") if isinstance(loose, dict) and isinstance(loose.get("rid"), str) else None
+            except msgspec.DecodeError:
+                rid = None
+            raise BadMessage(str(e), rid) from None
 
     def poll(self, timeout_ms: int) -> bool:
         return bool(self.sock.poll(timeout_ms, zmq.POLLIN))
@@ -71,12 +126,20 @@ class Sender:
         self.sock.send(self._encoder.encode(msg), copy=False)
 
 
-def die_with_parent() -> None:
-    """In a child process: get SIGKILL when the parent dies (Linux), so no child outlives a server."""
+def die_with_parent(root: str) -> None:
+    """In a child process: end when the parent dies (Linux: SIGTERM by PR_SET_PDEATHSIG), so no child
+    outlives a server, and remove the socket directory `root` on the way out: a parent killed by
+    SIGKILL cannot remove it itself."""
+
+    def on_term(signum, frame) -> None:
+        remove_dir(root)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         except OSError:
             pass
 

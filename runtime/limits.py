@@ -6,8 +6,9 @@ from __future__ import annotations
 import msgspec
 
 from plait.runtime.io_struct import TokenizedGenerateReq
+from plait.runtime.sampling.params import INT64_MAX
 
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20  # the hard ceiling; --max-top-logprobs may set a lower one
 
 
 class RuntimeLimits(msgspec.Struct, frozen=True):
@@ -28,7 +29,36 @@ def validate_request(msg: TokenizedGenerateReq, limits: RuntimeLimits) -> None:
         raise ValueError(f"the prompt has {n} tokens, which does not fit the KV pool ({limits.kv_capacity} tokens)")
     if any(t < 0 or t >= limits.vocab_size for t in msg.input_ids):
         raise ValueError(f"input_ids must be in [0, {limits.vocab_size})")
+    p = msg.sampling_params
+    if any(t >= limits.vocab_size for t in p.stop_token_ids):
+        raise ValueError(f"sampling_params.stop_token_ids must be in [0, {limits.vocab_size})")
+    if p.min_new_tokens > limits.context_length - n:
+        raise ValueError(f"sampling_params.min_new_tokens {p.min_new_tokens} plus the prompt's {n} tokens exceeds "
+                         f"the context length {limits.context_length}")
     if not 0 <= msg.top_logprobs_num <= MAX_TOP_LOGPROBS:
         raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
-    if msg.logprob_start_len < -1:
-        raise ValueError("logprob_start_len must be >= -1")
+    if not -1 <= msg.logprob_start_len <= INT64_MAX:
+        raise ValueError("logprob_start_len must be >= -1 and fit in 64 bits")
+
+
+def check_request_work(msgs: list[TokenizedGenerateReq], args, limits: RuntimeLimits) -> None:
+    """Refuse a request asking for more work than the server's per-request limits allow
+    (ServerArgs.max_*); each refusal names the flag. Tokens count up to the context length."""
+    if len(msgs) > args.max_sequences_per_request:
+        raise ValueError(f"the request starts {len(msgs)} sequences (prompts x n); the limit is "
+                         f"{args.max_sequences_per_request} (--max-sequences-per-request)")
+    total = sum(min(m.sampling_params.max_new_tokens, limits.context_length - len(m.input_ids)) for m in msgs)
+    if total > args.max_new_tokens_per_request:
+        raise ValueError(f"the request asks for {total} new tokens over its {len(msgs)} sequences; the limit is "
+                         f"{args.max_new_tokens_per_request} (--max-new-tokens-per-request)")
+    for m in msgs:
+        stop = m.sampling_params.stop
+        if len(stop) > args.max_stop_strings:
+            raise ValueError(f"sampling_params.stop has {len(stop)} strings; the limit is {args.max_stop_strings} "
+                             "(--max-stop-strings)")
+        if any(len(s) > args.max_stop_string_length for s in stop):
+            raise ValueError(f"sampling_params.stop has a string longer than {args.max_stop_string_length} "
+                             "characters (--max-stop-string-length)")
+        if m.top_logprobs_num > args.max_top_logprobs:
+            raise ValueError(f"top_logprobs_num {m.top_logprobs_num} exceeds the limit of {args.max_top_logprobs} "
+                             "(--max-top-logprobs)")

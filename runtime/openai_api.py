@@ -6,14 +6,17 @@ the same prompt (the radix cache computes the prompt once); usage reports cached
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
-from plait.runtime.http_server import HTTPError, ServerState, first_or_disconnect, sse
+from plait.runtime.http_server import HTTPError, ServerState, first_or_disconnect, read_json, sse
 from plait.runtime.io_struct import TokenizedGenerateReq
 from plait.runtime.limits import validate_request
 from plait.runtime.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -30,33 +33,74 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                                             "owned_by": "plait", "root": state.args.model_path,
                                             "max_model_len": state.client.limits.context_length}]}
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
+    @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
+    async def completions(request: Request):
+        req = await _parse(request, state, CompletionRequest)
         client = state.client
-        prompts = _completion_prompts(client, req.prompt)
         if req.echo and req.logprobs is not None:
             raise HTTPError(400, "echo with logprobs is not supported")
-        msgs = []
-        for ids in prompts:
-            max_new = _max_new_tokens(client, len(ids), req.max_tokens)
-            for i in range(req.n):
-                msgs.append(_request(client, ids, req.sampling_params(max_new, i), req.logprobs, req.stream))
+        long = isinstance(req.prompt, str) and len(req.prompt) >= 4096 or isinstance(req.prompt, list)
+        build = functools.partial(_completion_requests, client, req)
+        msgs, prompts = await asyncio.to_thread(build) if long else build()
         states = client.submit(msgs)
         echo = [client.tokenizer.decode(ids) if req.echo and client.tokenizer else "" for ids in prompts]
         view = _Completion(state, req, states, echo)
         return await _respond(request, client, states, view)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request):
+    @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        req = await _parse(request, state, ChatCompletionRequest)
         client = state.client
-        ids = _chat_prompt(client, req)
-        max_new = _max_new_tokens(client, len(ids), req.max_completion_tokens or req.max_tokens)
-        top = (req.top_logprobs or 0) if req.logprobs else None
-        forced = _forced_tool_schema(req)
-        params = [{**req.sampling_params(max_new, i), **forced} for i in range(req.n)]
-        states = client.submit([_request(client, ids, params[i], top, req.stream) for i in range(req.n)])
+        msgs = await asyncio.to_thread(_chat_requests, client, req)  # templates and tokenizing off the loop
+        states = client.submit(msgs)
         view = _Chat(state, req, states)
         return await _respond(request, client, states, view)
+
+
+async def _parse(request: Request, state: ServerState, model: type[BaseModel]):
+    """The body as `model`, strictly (no bool for an int, no string for a number); a 400 names each field."""
+    body = await read_json(request, state.args.max_request_bytes)
+    try:
+        return model.model_validate(body, strict=True)
+    except ValidationError as e:
+        parts = []
+        for err in e.errors(include_url=False):
+            loc = ".".join(str(x) for x in err.get("loc", ()))
+            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        raise HTTPError(400, "; ".join(parts) or "invalid request") from None
+
+
+def _body_doc(model: type[BaseModel]) -> dict:
+    """The request body's schema for /openapi.json (the route reads the body itself, strictly)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+
+
+def openapi_components() -> dict:
+    """The models referenced by the request bodies' schemas, for /openapi.json's components."""
+    defs = {}
+    for model in (CompletionRequest, ChatCompletionRequest):
+        defs.update(model.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {}))
+    return defs
+
+
+def _completion_requests(client: RuntimeClient, req: CompletionRequest) -> tuple[list[TokenizedGenerateReq], list]:
+    prompts = _completion_prompts(client, req.prompt)
+    msgs = []
+    for ids in prompts:
+        max_new = _max_new_tokens(client, len(ids), req.max_tokens)
+        for i in range(req.n):
+            msgs.append(_request(client, ids, req.sampling_params(max_new, i), req.logprobs, req.stream))
+    return msgs, prompts
+
+
+def _chat_requests(client: RuntimeClient, req: ChatCompletionRequest) -> list[TokenizedGenerateReq]:
+    ids = _chat_prompt(client, req)
+    max_new = _max_new_tokens(client, len(ids), req.max_completion_tokens or req.max_tokens)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    forced = _forced_tool_schema(req)
+    params = [{**req.sampling_params(max_new, i), **forced} for i in range(req.n)]
+    return [_request(client, ids, params[i], top, req.stream) for i in range(req.n)]
 
 
 _START = int(time.time())
@@ -78,11 +122,11 @@ def _completion_prompts(client: RuntimeClient, prompt) -> list[list[int]]:
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     out = []
-    for p in prompt:
+    for i, p in enumerate(prompt):
         if isinstance(p, str):
             if client.tokenizer is None:
                 raise HTTPError(400, "text prompts need a tokenizer: send token ids")
-            out.append(client.tokenizer.encode(p))
+            out.append(client.encode(p, f"prompt[{i}]"))
         else:
             out.append(list(p))
     return out
@@ -93,7 +137,7 @@ def _chat_prompt(client: RuntimeClient, req: ChatCompletionRequest) -> list[int]
     if tok is None or not getattr(tok, "chat_template", None):
         raise HTTPError(400, "this model has no chat template: use /v1/completions")
     messages = [_message(m) for m in req.messages]
-    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs = template_kwargs(tok, req.chat_template_kwargs)
     if req.tool_mode() != "none":
         if template_renders_tools(tok):
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
@@ -104,9 +148,50 @@ def _chat_prompt(client: RuntimeClient, req: ChatCompletionRequest) -> list[int]
             else:
                 messages.insert(0, {"role": "system", "content": note})
     continue_final = req.continue_final_message and messages[-1]["role"] == "assistant"
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continue_final,
-                                   continue_final_message=continue_final, **kwargs)
-    return tok.encode(text, add_special_tokens=False)
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continue_final,
+                                       continue_final_message=continue_final, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the template refuses these messages (raise_exception, bad roles)
+        raise HTTPError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
+    if not isinstance(text, str):
+        raise HTTPError(400, "the chat template did not render text")
+    return client.encode(text, "messages", add_special_tokens=False)
+
+
+# apply_chat_template's own arguments: a client may not set them through chat_template_kwargs
+# (its own template, tokenize=True returning ids, tools bypassing the tools field, ...)
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+
+
+def template_kwargs(tok, given: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat_template_kwargs a template may see: the variables the model's own template reads
+    (e.g. enable_thinking), JSON scalars only; others are dropped as vLLM does; apply_chat_template's
+    own arguments are refused."""
+    if not given:
+        return {}
+    reserved = sorted(k for k in given if k in _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise HTTPError(400, f"chat_template_kwargs may not set {', '.join(reserved)}")
+    used = _template_variables(tok.chat_template) if isinstance(tok.chat_template, str) else frozenset()
+    out = {}
+    for k, v in given.items():
+        if k not in used:
+            continue
+        if not isinstance(v, (str, int, float, bool)) and v is not None:
+            raise HTTPError(400, f"chat_template_kwargs.{k} must be a string, number, boolean or null")
+        out[k] = v
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _template_variables(template: str) -> frozenset[str]:
+    from jinja2 import meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return frozenset(meta.find_undeclared_variables(ImmutableSandboxedEnvironment().parse(template)))
 
 
 def _message(m) -> dict:

@@ -82,7 +82,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**62)  # choice i uses seed + i
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # extras (SGLang / vLLM)

@@ -50,10 +50,27 @@ class ServerArgs:
     # ---- serving ----
     host: str = _arg("127.0.0.1", "HTTP bind address")
     port: int = _arg(30000, "HTTP port")
-    api_key: str | None = _arg(None, "require 'Authorization: Bearer <key>' on every endpoint but /health")
+    api_key: str | None = _arg(
+        None, "require 'Authorization: Bearer <key>' on every endpoint but /health (visible in the process list: "
+        "prefer --api-key-file or the PLAIT_API_KEY environment variable)")
+    api_key_file: str | None = _arg(None, "read the API key from this file (its first line)")
+    allowed_hosts: str | None = _arg(
+        None, "comma-separated Host names the server answers to ('*': any); default: loopback names when bound "
+        "to a loopback address (no DNS rebinding), any otherwise")
+    allowed_origins: str | None = _arg(
+        None, "comma-separated browser origins allowed to call the API ('*': any); default: none, so a web page "
+        "elsewhere cannot drive the server")
+    shutdown_timeout: float = _arg(30.0, "on SIGTERM, seconds in-flight requests may take to finish before they are "
+                                         "ended with an error")
     served_model_name: str | None = _arg(None, "model name in the OpenAI API; default: the model file's name")
     max_queued_requests: int = _arg(-1, "requests allowed to wait beyond max_running_requests; more get 429 (-1: no limit)")
     max_request_bytes: int = _arg(32 * 2**20, "largest accepted HTTP request body; larger get 413")
+    # ---- the work one request may ask for (each refusal is a 400 naming the limit) ----
+    max_sequences_per_request: int = _arg(128, "sequences one request may start (prompts x n)")
+    max_new_tokens_per_request: int = _arg(2**20, "sum of max_new_tokens over one request's sequences")
+    max_stop_strings: int = _arg(32, "stop strings per request")
+    max_stop_string_length: int = _arg(256, "characters per stop string")
+    max_top_logprobs: int = _arg(20, "top_logprobs_num / top_logprobs / logprobs per token")
     enable_metrics: bool = _arg(False, "serve Prometheus metrics at /metrics")
 
     def __post_init__(self) -> None:
@@ -79,6 +96,14 @@ class ServerArgs:
             raise ValueError(f"jump_forward_token_budget must be >= 0, got {self.jump_forward_token_budget}")
         if self.grammar_cache_size < 1:
             raise ValueError(f"grammar_cache_size must be >= 1, got {self.grammar_cache_size}")
+        for name in ("max_sequences_per_request", "max_new_tokens_per_request", "max_stop_strings",
+                     "max_stop_string_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_top_logprobs < 0:
+            raise ValueError(f"max_top_logprobs must be >= 0, got {self.max_top_logprobs}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         for f in dataclasses.fields(self):
@@ -91,8 +116,31 @@ class ServerArgs:
         device = "cpu" if self.device == "auto" else self.device
         dtype = _best_cpu_dtype() if self.dtype == "auto" else self.dtype
         return dataclasses.replace(
-            self, model_path=self.model_path or default_model_path(), device=device, dtype=dtype
+            self, model_path=self.model_path or default_model_path(), device=device, dtype=dtype,
+            api_key=self._resolved_api_key(), api_key_file=None,
         )
+
+    def _resolved_api_key(self) -> str | None:
+        """--api-key, else --api-key-file, else $PLAIT_API_KEY (files and env keep it out of `ps`)."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_file:
+            with open(self.api_key_file) as f:
+                key = f.readline().strip()
+            if not key:
+                raise ValueError(f"api_key_file {self.api_key_file!r} is empty")
+            return key
+        return os.environ.get("PLAIT_API_KEY") or None
+
+    def host_list(self) -> list[str]:
+        from plait.runtime.http_guard import default_allowed_hosts
+
+        if self.allowed_hosts is None:
+            return default_allowed_hosts(self.host)
+        return [h.strip() for h in self.allowed_hosts.split(",") if h.strip()]
+
+    def origin_list(self) -> list[str]:
+        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

@@ -31,8 +31,9 @@ from plait.runtime.io_struct import (
     TokenizedGenerateReq,
     ToClient,
 )
+from plait.runtime.http_guard import check_json_value
 from plait.runtime.launcher import RuntimeProcesses
-from plait.runtime.limits import validate_request
+from plait.runtime.limits import check_request_work, validate_request
 from plait.runtime.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,19 @@ class QueueFull(RuntimeError):
     """More requests are waiting than --max-queued-requests allows."""
 
 
+class RequestFailed(RuntimeError):
+    """The runtime ended the request with an error of its own: a bug met while serving it (500) or
+    a shutdown (503). Other requests are unaffected."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+# prompts of this many characters or more are tokenized on a worker thread, off the event loop
+_THREAD_TOKENIZE_CHARS = 4096
+
+
 class GenerateInput:
     """One /generate call, validated: a single request or a batch, in input order."""
 
@@ -55,6 +69,7 @@ class GenerateInput:
                  sampling_params: dict | list[dict] | None = None, return_logprob: bool | list[bool] = False,
                  logprob_start_len: int | list[int] = -1, top_logprobs_num: int | list[int] = 0,
                  return_text_in_logprobs: bool = False, stream: bool = False, rid: str | list[str] | None = None):
+        check_json_value({"text": text, "rid": rid, "sampling_params": sampling_params})  # also for Engine callers
         if (text is None) == (input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
         if text is not None:
@@ -71,8 +86,8 @@ class GenerateInput:
             self.single = not input_ids or not isinstance(input_ids[0], list)
             ids = [input_ids] if self.single else input_ids
             if not all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-                       for x in ids):
-                raise ValueError("input_ids must be a list of ints or a list of lists of ints")
+                       for x in ids) or not ids:
+                raise ValueError("input_ids must be a list of ints or a non-empty list of lists of ints")
             self.texts, self.ids = None, ids
             n = len(ids)
         self.n = n
@@ -94,8 +109,9 @@ def _per_item(value, n: int, name: str, kind: type) -> list:
     if len(items) != n:
         raise ValueError(f"{name} has {len(items)} entries for {n} prompts")
     for v in items:
-        if v is not None and not isinstance(v, kind):
-            raise ValueError(f"{name} must be {'an object' if kind is dict else kind.__name__}")
+        # bool is an int in Python, not in the API
+        if v is not None and (not isinstance(v, kind) or (kind is int and isinstance(v, bool))):
+            raise ValueError(f"{name} must be {'an object' if kind is dict else kind.__name__}, got {v!r}")
     return items
 
 
@@ -138,9 +154,14 @@ class ReqState:
 
 
 def _raise_if_rejected(st: ReqState) -> None:
-    """The scheduler refused the request itself (e.g. an invalid grammar): a ValueError (400)."""
-    if st.finish is not None and st.finish.type == "abort" and st.finish.status == 400:
-        raise ValueError(st.finish.message or "invalid request")
+    """The runtime ended the request with a status: refused what it sent (an invalid grammar: a
+    ValueError, 400), failed on it (500), or shut down (503)."""
+    f = st.finish
+    if f is None or f.type != "abort" or f.status is None:
+        return
+    if f.status == 400:
+        raise ValueError(f.message or "invalid request")
+    raise RequestFailed(f.status, f.message or "the request failed")
 
 
 class RuntimeClient:
@@ -164,18 +185,34 @@ class RuntimeClient:
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(ToClient)
         self.states: dict[str, ReqState] = {}
+        self._max_prompt_chars = _max_prompt_chars(self.tokenizer, self.limits.context_length)
         self._replies: dict[str, asyncio.Future] = {}
         self.last_stats: SchedulerStats | None = None
         self.dead: str | None = None
+        self.draining = False  # set on SIGTERM: new requests get 503, in-flight ones finish
         self._tasks = [asyncio.ensure_future(self._read_loop()), asyncio.ensure_future(self._watch_loop())]
 
     # ---- requests ---------------------------------------------------------------------
+    async def tokenize_async(self, inp: GenerateInput) -> list[TokenizedGenerateReq]:
+        """`tokenize`, on a worker thread when the texts are long (the event loop serves others meanwhile)."""
+        if inp.texts is not None and sum(len(t) for t in inp.texts) >= _THREAD_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.tokenize, inp)
+        return self.tokenize(inp)
+
+    def encode(self, text: str, field: str = "text", **kw) -> list[int]:
+        """The tokenizer's ids for a prompt; a text too long to fit the context in any tokenization is
+        refused before spending a core on it."""
+        if len(text) > self._max_prompt_chars:
+            raise ValueError(f"{field} has {len(text)} characters, more than fit this model's context length of "
+                             f"{self.limits.context_length} tokens")
+        return self.tokenizer.encode(text, **kw)
+
     def tokenize(self, inp: GenerateInput) -> list[TokenizedGenerateReq]:
         """Tokenized, validated messages (ValueError names what is wrong)."""
         if inp.texts is not None:
             if self.tokenizer is None:
                 raise ValueError("text needs a tokenizer (the server runs with skip_tokenizer_init): send input_ids")
-            ids_list = [self.tokenizer.encode(t) for t in inp.texts]
+            ids_list = [self.encode(t) for t in inp.texts]
         else:
             ids_list = inp.ids
         if self.tokenizer is None and any(p.stop for p in inp.params):
@@ -189,7 +226,12 @@ class RuntimeClient:
         return msgs
 
     def submit(self, msgs: list[TokenizedGenerateReq], text_in_logprobs: bool = False) -> list[ReqState]:
+        """Send one request's sequences. Everything that can refuse them runs before anything is
+        registered or sent, so a refused request leaves nothing behind."""
         self._check_alive()
+        if self.draining:
+            raise RequestFailed(503, "the server is shutting down")
+        check_request_work(msgs, self.args, self.limits)
         cap = self.args.max_running_requests + self.args.max_queued_requests
         if self.args.max_queued_requests >= 0 and len(self.states) + len(msgs) > cap:
             raise QueueFull(f"too many requests in flight ({len(self.states)}); the queue limit is "
@@ -197,17 +239,20 @@ class RuntimeClient:
         for m in msgs:
             if m.rid in self.states:
                 raise ValueError(f"a request with rid {m.rid!r} is already running")
-        states = []
-        for m in msgs:
-            st = ReqState(m, text_in_logprobs)
-            self.states[m.rid] = st
-            states.append(st)
-            self._out.send(self._enc.encode(m))
+        group = msgs[0].rid if len(msgs) > 1 else ""  # the scheduler shares its slots fairly between groups
+        try:
+            frames = [self._enc.encode(msgspec.structs.replace(m, group=group) if group else m) for m in msgs]
+        except (msgspec.EncodeError, UnicodeEncodeError, OverflowError) as e:
+            raise ValueError(f"the request cannot be encoded: {e}") from None
+        states = [ReqState(m, text_in_logprobs) for m in msgs]
+        for st, frame in zip(states, frames):
+            self.states[st.msg.rid] = st
+            self._out.send(frame)
         return states
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[dict]:
         """tokenize + submit + results, for callers that take errors on the first iteration."""
-        states = self.submit(self.tokenize(inp), inp.return_text_in_logprobs)
+        states = self.submit(await self.tokenize_async(inp), inp.return_text_in_logprobs)
         async for item in self.results(states, inp.stream, inp.single):
             yield item
 
@@ -319,6 +364,8 @@ class RuntimeClient:
                     if st is None:
                         continue
                     st.apply(so)
+                    if so.out.finish is not None and so.out.finish.status == 500:
+                        self.abort(so.out.rid)  # the detokenizer failed it: the scheduler may still be generating
                     if self.metrics is not None:
                         self.metrics.on_output(st, so.out, now)
                     if st.finish is not None:
@@ -341,11 +388,20 @@ class RuntimeClient:
             if dead:
                 self._fail(f"runtime process died: {', '.join(dead)}")
 
+    def end_all(self, why: str) -> None:
+        """End every in-flight request with a 503 (shutdown drain ran out of time); streams get an
+        error event."""
+        for rid, st in list(self.states.items()):
+            st.finish = FinishReason("abort", message=why, status=503)
+            st.changed.set()
+            self.abort(rid)
+        self.states.clear()
+
     def _fail(self, why: str) -> None:
         logger.error("%s; failing %d in-flight requests", why, len(self.states))
         self.dead = why
         for st in list(self.states.values()):
-            st.finish = FinishReason("abort", message=why)
+            st.finish = FinishReason("abort", message=why, status=503)
             st.changed.set()
         self.states.clear()
         for fut in self._replies.values():
@@ -366,3 +422,11 @@ class RuntimeClient:
         self._in.close(0)
         self._out.close(0)
         self.ctx.term()
+
+
+def _max_prompt_chars(tokenizer, context_length: int) -> int:
+    """No tokenization of a longer text fits the context: every token is at most this many characters."""
+    if tokenizer is None:
+        return 1 << 62
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return context_length * max(longest, 1) + 16

@@ -58,6 +58,12 @@ class GrammarBackend(ABC):
         """A compiled grammar (with `.matcher() -> Matcher`); raises GrammarError."""
 
 
+def complete_utf8_prefix(data: bytes, end: int) -> str:
+    """The text of data[:end], where `end` is where UTF-8 decoding failed (UnicodeDecodeError.start):
+    whole characters only, never a partial sequence."""
+    return bytes(data[:end]).decode("utf-8")
+
+
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 

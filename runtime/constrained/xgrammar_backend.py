@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from plait.runtime.constrained.base import GrammarBackend, GrammarError, Matcher
+from plait.runtime.constrained.base import GrammarBackend, GrammarError, Matcher, complete_utf8_prefix
 from plait.runtime.constrained.schema_policy import prepare_schema
 
 
@@ -39,7 +39,12 @@ class XGrammarMatcher(Matcher):
         return self._m.is_terminated()
 
     def jump_forward_string(self) -> str:
-        return self._m.find_jump_forward_string()
+        try:
+            return self._m.find_jump_forward_string()
+        except UnicodeDecodeError as e:
+            # the forced bytes end (or break) inside a UTF-8 sequence: keep the complete characters
+            # before it; the rest is sampled token by token
+            return complete_utf8_prefix(e.object, e.start)
 
     def copy(self) -> "XGrammarMatcher":
         return XGrammarMatcher(self._compiled, self._accepted)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import msgspec
+
+INT64_MAX = 2**63 - 1
+GREEDY_TEMPERATURE = 1e-5
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -47,8 +51,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         if isinstance(d.get("json_schema"), dict):  # SGLang wants a string; an object is unambiguous
             d["json_schema"] = json.dumps(d["json_schema"])
         d = {k: v for k, v in d.items() if v is not None or k == "seed"}
-        try:
-            params = msgspec.convert(d, cls, strict=False)
+        try:  # strict: no bool for an int, no string for a number (an int for a float is fine)
+            params = msgspec.convert(d, cls, strict=True)
         except msgspec.ValidationError as e:
             raise ValueError(f"invalid sampling_params: {e}") from None
         params.validate()
@@ -58,29 +62,34 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
         def bad(field: str, why: str) -> None:
             raise ValueError(f"sampling_params.{field} {why}, got {getattr(self, field)!r}")
 
-        if self.max_new_tokens < 0:
-            bad("max_new_tokens", "must be >= 0")
-        if self.min_new_tokens < 0:
-            bad("min_new_tokens", "must be >= 0")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                bad(name, "must be a finite number")
+        if not 0 <= self.max_new_tokens <= INT64_MAX:
+            bad("max_new_tokens", f"must be in [0, {INT64_MAX}]")
+        if not 0 <= self.min_new_tokens <= INT64_MAX:
+            bad("min_new_tokens", f"must be in [0, {INT64_MAX}]")
+        if self.seed is not None and not 0 <= self.seed <= INT64_MAX:
+            bad("seed", f"must be in [0, {INT64_MAX}]")
         if self.min_new_tokens > self.max_new_tokens:
             bad("min_new_tokens", f"must be <= max_new_tokens ({self.max_new_tokens})")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if self.top_k == 0 or self.top_k < -1:
-            bad("top_k", "must be -1 (off) or >= 1")
+        if self.top_k == 0 or self.top_k < -1 or self.top_k > INT64_MAX:
+            bad("top_k", "must be -1 (off) or >= 1 (values above the vocabulary size mean all of it)")
         if not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0")
+        if not 0 < self.repetition_penalty <= 2:
+            bad("repetition_penalty", "must be in (0, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             bad("frequency_penalty", "must be in [-2, 2]")
         if not -2 <= self.presence_penalty <= 2:
             bad("presence_penalty", "must be in [-2, 2]")
         if any(not s for s in self.stop):
             bad("stop", "must not contain empty strings")
-        if any(t < 0 for t in self.stop_token_ids):
+        if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative token ids")
         if self.n != 1:
             bad("n", "must be 1 (send a batch, or use the OpenAI API's n)")
@@ -100,7 +109,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # below this, logits / temperature overflows: the limit of sampling is the argmax anyway
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -86,7 +86,7 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow], greedy: list[bool]
     top_ks = [r.params.top_k for r in rows]
     if any(k > 0 for k in top_ks):
         vocab = probs.shape[1]
-        ks = torch.tensor([k if k > 0 else vocab for k in top_ks])
+        ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks])  # clamped, as SGLang does
         kmax = int(ks.max())
         top_vals = torch.topk(probs, kmax, dim=-1).values
         kth = top_vals.gather(1, (ks - 1).clamp(max=kmax - 1).view(-1, 1))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from typing import Callable
 
 import torch
 
@@ -44,6 +45,7 @@ class GrammarManager:
         self.tokens_jumped = 0  # draft tokens the model confirmed
         self.drafted = 0
         self.lazy_fills = 0  # masks filled because an unmasked pick was rejected
+        self._faults: list[Req] = []  # requests whose mask fill raised (req.grammar_fault), for the scheduler
 
     # ---- compile ---------------------------------------------------------------------------
     def submit(self, req: Req, kind: str, text: str) -> None:
@@ -97,13 +99,22 @@ class GrammarManager:
             bitmask = allocate_bitmask(n, self.vocab_size)
             for r in reqs:
                 row = first[id(r)]
-                r.grammar.fill_bitmask(bitmask, row)
-                for i, t in enumerate(r.draft):
-                    r.grammar.accept_token(t)  # checked when the draft was planned
-                    r.grammar.fill_bitmask(bitmask, row + 1 + i)
+                try:
+                    r.grammar.fill_bitmask(bitmask, row)
+                    for i, t in enumerate(r.draft):
+                        r.grammar.accept_token(t)  # checked when the draft was planned
+                        r.grammar.fill_bitmask(bitmask, row + 1 + i)
+                except Exception as e:  # noqa: BLE001 - fails this request alone (the scheduler reports it)
+                    r.grammar_fault = e
+                    self._faults.append(r)
             return bitmask, first
 
         return self._pool.submit(fill)
+
+    def take_faults(self) -> list[Req]:
+        """Requests whose mask fill raised in the last `start_masks` (call after its result)."""
+        faults, self._faults = self._faults, []
+        return faults
 
     @staticmethod
     def lazy(req: Req) -> bool:
@@ -116,19 +127,24 @@ class GrammarManager:
         return not req.return_logprob and p.top_k == -1 and p.top_p == 1 and p.min_p == 0
 
     def settle(self, logits: torch.Tensor, reqs: list[Req], rows: list[SampleRow], next_ids: list[int],
-               masks: Masks | None) -> set[int]:
+               masks: Masks | None, fail: Callable[[Req, str, BaseException], None]) -> set[int]:
         """Advance the matchers of the lazily masked requests over their unmasked picks; where the
         grammar rejects one, fill that mask now and sample the row again. Returns the indices whose
-        token the matcher has accepted (on_token then skips accepting it)."""
+        token the matcher has accepted (on_token then skips accepting it). A request whose matcher
+        raises is handed to `fail` and the others go on."""
         first = masks[1] if masks is not None else {}
         accepted = set()
         for k, req in enumerate(reqs):
-            if req.grammar is None or id(req) in first:
+            if req.grammar is None or id(req) in first or req.finish is not None:
                 continue
-            if not req.grammar.accept_token(next_ids[k]):
-                next_ids[k] = self._masked_pick(req, logits[k : k + 1], rows[k])
+            try:
                 if not req.grammar.accept_token(next_ids[k]):
-                    continue  # unreachable (the mask allows it); on_token reports it
+                    next_ids[k] = self._masked_pick(req, logits[k : k + 1], rows[k])
+                    if not req.grammar.accept_token(next_ids[k]):
+                        continue  # unreachable (the mask allows it); on_token reports it
+            except Exception as e:  # noqa: BLE001
+                fail(req, "advancing its grammar", e)
+                continue
             accepted.add(k)
         return accepted
 

@@ -18,3 +18,16 @@ def order_waiting(waiting: list["Req"], policy: str, kv: "KVManager") -> list["R
     if policy == "lpm":
         return sorted(waiting, key=lambda r: -kv.match_len(r))  # stable: ties keep arrival order
     raise ValueError(f"unknown schedule policy {policy!r}")
+
+
+def fair_order(ordered: list["Req"], running: list["Req"]) -> list["Req"]:
+    """Share the running slots between client requests: a waiting sequence whose request (its
+    group: a batch body, or n choices) already runs more sequences goes after those whose request
+    runs fewer, so one large request cannot starve small ones. Stable: ties keep `ordered`."""
+    if not any(r.group for r in ordered):
+        return ordered
+    counts: dict[str, int] = {}
+    for r in running:
+        if r.group:
+            counts[r.group] = counts.get(r.group, 0) + 1
+    return sorted(ordered, key=lambda r: counts.get(r.group, 0) if r.group else 0)

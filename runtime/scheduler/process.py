@@ -28,7 +28,7 @@ from plait.runtime.io_struct import (
     TokenOut,
     ToScheduler,
 )
-from plait.runtime.ipc import Addresses, Receiver, Sender, die_with_parent, parent_alive
+from plait.runtime.ipc import Addresses, BadMessage, Receiver, Sender, die_with_parent, parent_alive
 from plait.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ _STATS_INTERVAL = 1.0
 def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready) -> None:
     """Process entry point: build the runtime, report readiness (or the error) on `ready`
     (a proc_main.ReadyPipe), loop."""
-    die_with_parent()
+    die_with_parent(addrs.root)
     ppid = os.getppid()
     logging.basicConfig(level=args.log_level.upper(), format="[plait scheduler %(asctime)s] %(message)s")
     try:
@@ -76,12 +76,27 @@ class _Loop:
                 while not self.inbox.poll(1000):  # idle: wake once a second to notice an orphaning
                     if not parent_alive(self.ppid):
                         return
-            while (msg := self.inbox.recv(block=False)) is not None:
+            while (msg := self._recv()) is not None:
                 self._handle(msg)
             before = self.scheduler.tokens_generated
             self.scheduler.step()
             self._tokens_since += self.scheduler.tokens_generated - before
             self._send_stats(force=self.scheduler.idle)  # once more when it goes idle
+
+    def _recv(self):
+        """The next message, or None. A frame that does not decode fails its request (if it names
+        one) instead of the process: clients validate first, this is the last line of defence."""
+        while True:
+            try:
+                return self.inbox.recv(block=False)
+            except BadMessage as e:
+                logger.error("dropped a message that does not decode: %s", e)
+                if e.rid is not None:
+                    self._refuse(e.rid, 0, f"the request does not decode: {e}", 400)
+
+    def _refuse(self, rid: str, prompt_tokens: int, message: str, status: int) -> None:
+        self.out.send(BatchTokenOut([TokenOut(rid, [], FinishReason("abort", message=message, status=status),
+                                              prompt_tokens, 0, 0)]))
 
     def _handle(self, msg) -> None:
         s = self.scheduler
@@ -89,8 +104,10 @@ class _Loop:
             try:
                 s.add_request(msg)
             except ValueError as e:  # the client validates first; this is the last line of defence
-                self.out.send(BatchTokenOut([TokenOut(msg.rid, [], FinishReason("abort", message=str(e), status=400),
-                                                      len(msg.input_ids), 0, 0)]))
+                self._refuse(msg.rid, len(msg.input_ids), str(e), 400)
+            except Exception as e:  # noqa: BLE001 - a bug admitting one request fails that request
+                logger.exception("request %s failed on arrival", msg.rid)
+                self._refuse(msg.rid, len(msg.input_ids), f"internal error on arrival: {type(e).__name__}: {e}", 500)
         elif isinstance(msg, AbortReq):
             s.abort(msg)
         elif isinstance(msg, FlushCacheReq):

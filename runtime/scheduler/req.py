@@ -22,6 +22,7 @@ from plait.runtime.sampling.params import SamplingParams
 class Req:
     def __init__(self, msg: TokenizedGenerateReq, seed: int):
         self.rid = msg.rid
+        self.group = msg.group
         self.origin_input_ids: list[int] = list(msg.input_ids)
         self.output_ids: list[int] = []
         self.params: SamplingParams = msg.sampling_params
@@ -32,6 +33,7 @@ class Req:
 
         self.grammar = None  # Matcher once compiled (constrained requests)
         self.grammar_compile = None  # its constrained/base.Compile while the grammar compiles
+        self.grammar_fault: BaseException | None = None  # raised by its mask fill on the worker thread
         self.draft: list[int] = []  # jump-forward tokens at the end of output_ids, not yet verified
         self.row: int | None = None
         self.last_node = None

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 
@@ -22,9 +23,10 @@ from plait.runtime.io_struct import AbortReq, DecodeSpec, FinishReason, Tokenize
 from plait.runtime.limits import RuntimeLimits, validate_request
 from plait.runtime.model_runner import ModelRunner, WorkItem
 from plait.runtime.sampling import SampleRow, sample
+from plait.runtime.sampling.sampler import SampleResult
 from plait.runtime.scheduler.grammar_manager import GrammarManager, Masks
 from plait.runtime.scheduler.kv_manager import KVManager
-from plait.runtime.scheduler.policy import order_waiting
+from plait.runtime.scheduler.policy import fair_order, order_waiting
 from plait.runtime.scheduler.req import Req
 from plait.runtime.server_args import ServerArgs
 
@@ -55,6 +57,7 @@ class Scheduler:
         self.new_token_ratio = _RATIO_INIT
         self._seed_counter = args.random_seed
         self.num_retracted = 0
+        self.num_failed = 0  # requests ended by a fault of their own (status 500)
         self.forward_passes = 0
         self.tokens_generated = 0
         self.grammars = GrammarManager(args, self.tokenizer, runner.config.vocab_size, sorted(eos))
@@ -162,7 +165,7 @@ class Scheduler:
         if budget <= 0 or not self.waiting:
             return out
 
-        ordered = order_waiting(self.waiting, self.args.schedule_policy, self.kv)
+        ordered = fair_order(order_waiting(self.waiting, self.args.schedule_policy, self.kv), self.running)
         reserved = sum(min(r.remaining_tokens(), 4096) for r in self.running) * self.new_token_ratio
         admitted: list[Req] = []
         prefilling = [r for r in self.running if r.pending_len > 1]  # their prefixes reach the cache soon
@@ -229,7 +232,8 @@ class Scheduler:
             nrows = len(item.logit_offsets)
             req.cached_len += n
             if req.input_logprob_start() < req.prompt_len:
-                self._record_input_logprobs(req, item, logits[row : row + nrows])
+                with self._isolated(req, "computing its prompt logprobs"):
+                    self._record_input_logprobs(req, item, logits[row : row + nrows])
             if req.cached_len == req.seq_len:
                 if req.params.max_new_tokens == 0:
                     req.finish = FinishReason("length")  # prefill-only: the prompt is now cached
@@ -241,15 +245,38 @@ class Scheduler:
                 self.kv.cache_prefix(req)  # siblings waiting on this prefix can share it now
             row += nrows
         mask_rows = masks.result() if masks is not None else None
+        for req in self.grammars.take_faults():  # a mask fill that raised
+            self._fail_request(req, "filling its grammar mask", req.grammar_fault)
+        to_sample = [(r, i) for r, i in to_sample if r.finish is None]
+        to_verify = [(r, i) for r, i in to_verify if r.finish is None]
         if to_sample:
             self._sample(to_sample, logits, mask_rows)
         for req, first in to_verify:
             before = req.output_len - len(req.draft)
-            self.grammars.verify(req, logits[first : first + len(req.draft) + 1], mask_rows, self.eos_ids,
-                                 self.context_length)
-            self.tokens_generated += req.output_len - before
-            self.kv.cache_prefix(req)  # only tokens the model confirmed
+            with self._isolated(req, "verifying its jump-forward draft"):
+                self.grammars.verify(req, logits[first : first + len(req.draft) + 1], mask_rows, self.eos_ids,
+                                     self.context_length)
+                self.tokens_generated += req.output_len - before
+                self.kv.cache_prefix(req)  # only tokens the model confirmed
         self._reap()
+
+    # ---- faults of one request --------------------------------------------------------
+    @contextmanager
+    def _isolated(self, req: Req, what: str) -> Iterator[None]:
+        """Run per-request work; an exception fails that request alone (status 500, traceback
+        logged) and leaves the batch, the cache and every other request intact."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - any bug in one request's handling is that request's failure
+            self._fail_request(req, what, e)
+
+    def _fail_request(self, req: Req, what: str, e: BaseException) -> None:
+        logger.error("request %s failed while %s", req.rid, what, exc_info=e)
+        self.grammars.drop_draft(req)
+        req.cached_len = min(req.cached_len, req.seq_len)
+        req.finish = FinishReason("abort", status=500,
+                                  message=f"internal error while {what}: {type(e).__name__}: {e}")
+        self.num_failed += 1
 
     def _record_input_logprobs(self, req: Req, item: WorkItem, rows: torch.Tensor) -> None:
         start = item.cached_len
@@ -281,24 +308,51 @@ class Scheduler:
             rows.append(SampleRow(p, req.generator, req.output_ids, req.origin_input_ids, banned,
                                   req.return_logprob, req.top_logprobs_num if req.return_logprob else 0))
         selected = logits[[i for _, i in to_sample]]
+        reqs = [req for req, _ in to_sample]
         if masks is not None:
-            self.grammars.apply(selected, [req for req, _ in to_sample], masks)
-        result = sample(selected, rows)
-        settled = self.grammars.settle(selected, [req for req, _ in to_sample], rows, result.next_ids, masks)
+            self.grammars.apply(selected, reqs, masks)
+        result = self._sample_isolated(selected, rows, reqs)
+        settled = self.grammars.settle(selected, reqs, rows, result.next_ids, masks, self._fail_request)
         for k, (req, _) in enumerate(to_sample):
-            tok = result.next_ids[k]
-            req.output_ids.append(tok)
-            self.tokens_generated += 1
-            req.pending_ids.append(tok)
-            if result.logprobs is not None and req.return_logprob:
-                req.pending_logprobs.append((result.logprobs[k], tok))
-                if result.top_logprobs is not None and req.top_logprobs_num:
-                    vals, ids = result.top_logprobs[k]
-                    req.pending_top.append(list(zip(vals, ids)))
-            if req.grammar is not None:
-                self.grammars.on_token(req, tok, self.eos_ids, self.context_length, accepted=k in settled)
-            else:
-                req.check_finished(self.eos_ids, self.tokenizer, self.context_length)
+            if req.finish is not None:  # failed while sampling or settling
+                continue
+            with self._isolated(req, "taking its sampled token"):
+                self._take_token(req, k, result, k in settled)
+
+    def _sample_isolated(self, logits: torch.Tensor, rows: list[SampleRow], reqs: list[Req]) -> SampleResult:
+        """One batched sample; if it raises, sample row by row to find the culprit and fail only it
+        (each row draws from its own generator, so the others pick what the batch would have)."""
+        try:
+            return sample(logits, rows)
+        except Exception:  # noqa: BLE001
+            pass
+        ids, lps, tops = [], [], []
+        want = any(r.want_logprob for r in rows)
+        for k, (row, req) in enumerate(zip(rows, reqs)):
+            try:
+                one = sample(logits[k : k + 1], [row])
+            except Exception as e:  # noqa: BLE001
+                self._fail_request(req, "sampling", e)
+                one = SampleResult([0], [0.0] if want else None, [([], [])] if want else None)
+            ids.append(one.next_ids[0])
+            lps.append(one.logprobs[0] if one.logprobs else 0.0)
+            tops.append(one.top_logprobs[0] if one.top_logprobs else ([], []))
+        return SampleResult(ids, lps if want else None, tops if want else None)
+
+    def _take_token(self, req: Req, k: int, result: SampleResult, accepted: bool) -> None:
+        tok = result.next_ids[k]
+        req.output_ids.append(tok)
+        self.tokens_generated += 1
+        req.pending_ids.append(tok)
+        if result.logprobs is not None and req.return_logprob:
+            req.pending_logprobs.append((result.logprobs[k], tok))
+            if result.top_logprobs is not None and req.top_logprobs_num:
+                vals, ids = result.top_logprobs[k]
+                req.pending_top.append(list(zip(vals, ids)))
+        if req.grammar is not None:
+            self.grammars.on_token(req, tok, self.eos_ids, self.context_length, accepted=accepted)
+        else:
+            req.check_finished(self.eos_ids, self.tokenizer, self.context_length)
 
     def _reap(self) -> None:
         """Emit progress; release finished requests."""
@@ -355,6 +409,7 @@ class Scheduler:
             "cache_protected": cache.protected_tokens,
             "cache_hit_rate": cache.hit_rate,
             "num_retracted": self.num_retracted,
+            "num_failed": self.num_failed,
             "forward_passes": self.forward_passes,
             "tokens_generated": self.tokens_generated,
             **self.grammars.stats(),

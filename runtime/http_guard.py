@@ -1,0 +1,174 @@
+"""What stands between a socket and the endpoints: a pure ASGI middleware (API key, Origin and
+Host checks, the body-size limit on every body, chunked ones included) and the JSON body
+reader that refuses what no endpoint should see (deep nesting, NaN and Infinity, integers past
+int64, lone UTF-16 surrogates), naming the field.
+
+Pure ASGI rather than Starlette's BaseHTTPMiddleware: that one wraps `receive`, and an endpoint
+behind it never sees its client hang up (a non-streaming request would run to the end).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import math
+from typing import Any, Awaitable, Callable
+from urllib.parse import urlsplit
+
+MAX_JSON_DEPTH = 64
+INT64_MAX = 2**63 - 1
+_LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+_OPEN_PATHS = ("/health",)  # liveness probes need no key
+
+
+class BodyError(ValueError):
+    """The body is not acceptable JSON (a 400, or 413 when `status` says so)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def error_body(status: int, message: str, type_: str | None = None) -> dict:
+    type_ = type_ or {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                      404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                      429: "rate_limit_error"}.get(status, "server_error")
+    return {"error": {"message": message, "type": type_, "code": status}}
+
+
+# ---- JSON bodies ----------------------------------------------------------------------------
+def parse_json_body(raw: bytes) -> dict:
+    """The body as a JSON object, checked all through (see `check_json_value`)."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise BodyError(f"the body is nested too deeply (more than {MAX_JSON_DEPTH} levels)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BodyError(f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise BodyError("the body must be a JSON object")
+    check_json_value(data)
+    return data
+
+
+def check_json_value(value: Any, where: str = "") -> None:
+    """Refuse values JSON parsers accept but nothing downstream can handle: NaN/Infinity (Python's
+    json reads them, and 1e999 becomes inf), ints beyond int64, lone surrogates (valid JSON escapes,
+    invalid text), nesting beyond MAX_JSON_DEPTH. Iterative, so depth cannot overflow the stack."""
+    stack: list[tuple[Any, str, int]] = [(value, where, 0)]
+    while stack:
+        v, path, depth = stack.pop()
+        if isinstance(v, dict):
+            if depth >= MAX_JSON_DEPTH:
+                raise BodyError(f"the body is nested too deeply (more than {MAX_JSON_DEPTH} levels) at {path or 'the top'}")
+            for k, item in v.items():
+                _check_text(k, f"{path}.{k!r}" if path else repr(k))
+                stack.append((item, f"{path}.{k}" if path else str(k), depth + 1))
+        elif isinstance(v, list):
+            if depth >= MAX_JSON_DEPTH:
+                raise BodyError(f"the body is nested too deeply (more than {MAX_JSON_DEPTH} levels) at {path or 'the top'}")
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(v))
+        elif isinstance(v, str):
+            _check_text(v, path)
+        elif isinstance(v, bool) or v is None:
+            pass
+        elif isinstance(v, int):
+            if not -INT64_MAX - 1 <= v <= INT64_MAX:
+                raise BodyError(f"{path} is out of range (integers must fit in 64 bits)")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise BodyError(f"{path} must be a finite number, got {v}")
+
+
+def _check_text(s: str, path: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BodyError(f"{path} is not valid text: a lone UTF-16 surrogate at character {e.start}") from None
+
+
+# ---- the ASGI middleware ----------------------------------------------------------------------
+def default_allowed_hosts(bind_host: str) -> list[str]:
+    """A loopback-bound server answers only to loopback names (DNS rebinding cannot reach it);
+    one bound elsewhere is meant to be reached by any name."""
+    if bind_host in _LOOPBACK_NAMES or _is_loopback(bind_host):
+        return sorted({*_LOOPBACK_NAMES, bind_host})
+    return ["*"]
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(host_header: str) -> str:
+    """'example.com:80' -> 'example.com', '[::1]:80' -> '::1'."""
+    return (urlsplit("//" + host_header).hostname or "").lower()
+
+
+class Guard:
+    """ASGI middleware for every HTTP request: API key (constant-time, scheme case-insensitive;
+    /health stays open), Host and Origin allow-lists, and a byte limit on every request body."""
+
+    def __init__(self, app, api_key: str | None, max_body: int, allowed_hosts: list[str],
+                 allowed_origins: list[str]):
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+        self.max_body = max_body
+        self.hosts = [h.lower() for h in allowed_hosts]
+        self.origins = [o.lower().rstrip("/") for o in allowed_origins]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            return await _send_json(send, *refusal)
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            return await _send_json(send, 413, f"request body of {length} bytes exceeds the limit of {self.max_body}")
+        await self.app(scope, self._bounded(receive), send)
+
+    def _refusal(self, scope, headers: dict[str, str]) -> tuple[int, str] | None:
+        host = _host_name(headers.get("host", ""))
+        if "*" not in self.hosts and host not in self.hosts:
+            return 403, f"host {host!r} is not allowed (see --allowed-hosts)"
+        origin = headers.get("origin")
+        if origin is not None and not self._origin_ok(origin.lower().rstrip("/"), headers.get("host", "").lower()):
+            return 403, f"origin {origin!r} is not allowed (see --allowed-origins)"
+        if self.key is not None and scope["path"] not in _OPEN_PATHS:
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
+                return 401, "missing or wrong API key: send 'Authorization: Bearer <key>'"
+        return None
+
+    def _origin_ok(self, origin: str, host_header: str) -> bool:
+        if "*" in self.origins or origin in self.origins:
+            return True
+        # a page served from this very host:port (same origin) is not foreign
+        return urlsplit(origin).netloc == host_header
+
+    def _bounded(self, receive: Callable[[], Awaitable[dict]]):
+        seen = 0
+        limit = self.max_body
+
+        async def bounded_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyError(f"request body exceeds the limit of {limit} bytes", status=413)
+            return message
+
+        return bounded_receive
+
+
+async def _send_json(send, status: int, message: str) -> None:
+    body = json.dumps(error_body(status, message)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
