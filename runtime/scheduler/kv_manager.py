@@ -98,3 +98,21 @@ class KVManager:
         self.cache.evict(self.cache.evictable_size)
         self.cache.reset()
         return True
+
+    def check(self) -> str | None:
+        """With no request holding KV: every slot is free or in the cache, no node is locked, every
+        row is free, and the tree's invariants hold. None when consistent, else what is wrong."""
+        try:
+            self.cache.check()
+        except AssertionError as e:
+            return f"radix tree: {e}"
+        stats = self.cache.stats()
+        if stats.protected_tokens:
+            return f"{stats.protected_tokens} cached tokens are still locked"
+        if self.allocator.free_slots + stats.total_tokens != self.allocator.capacity:
+            return (f"leaked KV: {self.allocator.free_slots} free + {stats.total_tokens} cached != "
+                    f"{self.allocator.capacity} slots")
+        rows = self.req_to_token.table.shape[0]
+        if self.req_to_token.available != rows:
+            return f"{rows - self.req_to_token.available} request rows are still held"
+        return None

@@ -113,7 +113,7 @@ class _Loop:
         elif isinstance(msg, FlushCacheReq):
             self.out.send(ControlReply(msg.req_id, s.flush_cache()))
         elif isinstance(msg, ServerInfoReq):
-            self.out.send(ControlReply(msg.req_id, True, s.stats()))
+            self.out.send(ControlReply(msg.req_id, True, s.stats(check=True)))
 
     def _send_stats(self, force: bool) -> None:
         now = time.perf_counter()

@@ -397,7 +397,7 @@ class Scheduler:
     def flush_cache(self) -> bool:
         return self.idle and self.kv.flush()
 
-    def stats(self) -> dict:
+    def stats(self, check: bool = False) -> dict:
         cache = self.kv.cache.stats()
         return {
             "num_running": len(self.running),
@@ -410,6 +410,8 @@ class Scheduler:
             "cache_hit_rate": cache.hit_rate,
             "num_retracted": self.num_retracted,
             "num_failed": self.num_failed,
+            # the KV accounting checked end to end, when nothing runs (None while busy)
+            "kv_check": (self.kv.check() or "ok") if check and self.idle else None,
             "forward_passes": self.forward_passes,
             "tokens_generated": self.tokens_generated,
             **self.grammars.stats(),

@@ -1,0 +1,120 @@
+"""One request's fault fails that request alone: the real scheduler on the real model, in this
+process, with a fault planted in one request's own handling (its grammar matcher, its stop check,
+its sampler); the other requests of the same batches finish with the tokens they get alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import pytest
+
+from plait.runtime.io_struct import TokenizedGenerateReq
+from plait.runtime.sampling import SamplingParams
+from plait.runtime.scheduler.scheduler import Scheduler
+
+PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Write a haiku about rain.", "Colors of the rainbow:"]
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _boom(*args, **kwargs):
+    raise Boom("planted fault")
+
+
+def _scheduler(runner) -> tuple[Scheduler, list]:
+    outs: list = []
+    args = dataclasses.replace(runner.args, disable_radix_cache=False)
+    return Scheduler(args, runner, outs.extend), outs
+
+
+def _run(sched: Scheduler, outs: list, reqs: list[TokenizedGenerateReq], plant=None) -> dict:
+    for m in reqs:
+        sched.add_request(m)
+    planted = False
+    for _ in range(500):
+        if plant is not None and not planted:
+            planted = plant(sched)
+        if not sched.step():
+            break
+    results: dict = {}
+    for o in outs:
+        r = results.setdefault(o.rid, {"ids": [], "finish": None})
+        r["ids"] += o.new_ids
+        r["finish"] = o.finish or r["finish"]
+    outs.clear()
+    return results
+
+
+def _msg(rid: str, tok, text: str, **params) -> TokenizedGenerateReq:
+    p = SamplingParams.from_dict({"max_new_tokens": 12, "temperature": 0, **params})
+    return TokenizedGenerateReq(rid, tok.encode(text), p)
+
+
+def _find(sched: Scheduler, rid: str):
+    for req in sched.running + sched.waiting:
+        if req.rid == rid:
+            return req
+    return None
+
+
+def _plant_on(rid: str, attr_path: str, needs_grammar: bool = False):
+    """A planter that replaces req.<attr_path> by a raising function once the request exists (and,
+    for grammar attributes, once its grammar compiled)."""
+
+    def plant(sched: Scheduler) -> bool:
+        req = _find(sched, rid)
+        if req is None or (needs_grammar and req.grammar is None) or req.output_len == 0:
+            return False
+        obj = req
+        *parents, name = attr_path.split(".")
+        for p in parents:
+            obj = getattr(obj, p)
+        setattr(obj, name, _boom)
+        return True
+
+    return plant
+
+
+@pytest.mark.parametrize("fault", ["stop_check", "grammar_accept", "grammar_mask", "sampler"])
+def test_a_fault_in_one_request_fails_it_alone(runner, fault):
+    tok = runner.tokenizer
+    sched, outs = _scheduler(runner)
+    good = [_msg(f"good{i}", tok, p) for i, p in enumerate(PROMPTS)]
+    alone = _run(sched, outs, good)
+    assert all(r["finish"].type == "length" and len(r["ids"]) == 12 for r in alone.values())
+
+    victim_params = {
+        "stop_check": {},
+        "grammar_accept": {"regex": "[a-z ]+"},  # plain greedy: its mask is filled lazily on rejection
+        "grammar_mask": {"regex": "[a-z ]+", "top_k": 5},  # masked up front, on the worker thread
+        "sampler": {"temperature": 0.7},
+    }[fault]
+    plant = {
+        "stop_check": _plant_on("victim", "check_finished"),
+        "grammar_accept": _plant_on("victim", "grammar.accept_token", needs_grammar=True),
+        "grammar_mask": _plant_on("victim", "grammar.fill_bitmask", needs_grammar=True),
+        "sampler": None,
+    }[fault]
+    if fault == "sampler":
+        def plant(s: Scheduler) -> bool:
+            req = _find(s, "victim")
+            if req is None or req.output_len == 0:
+                return False
+            req.generator = object()  # torch.rand(generator=...) raises inside the batched sample
+            return True
+
+    victim = _msg("victim", tok, "Tell me about cats.", **victim_params)
+    again = [msgspec.structs.replace(m, rid=m.rid + "-again") for m in good]
+    results = _run(sched, outs, [victim, *again], plant)
+
+    v = results["victim"]["finish"]
+    assert v.type == "abort" and v.status == 500 and "internal error" in v.message, v
+    for m in good:
+        r = results[m.rid + "-again"]
+        assert r["finish"].type == "length" and r["ids"] == alone[m.rid]["ids"]  # batch-mates unaffected
+    assert sched.stats()["num_failed"] == 1
+    assert sched.idle and sched.kv.check() is None  # the failed request's KV went back
+    sched.kv.flush()
