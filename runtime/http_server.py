@@ -126,7 +126,7 @@ def create_app(state: ServerState) -> FastAPI:
         return error_response(400, "; ".join(parts) or "invalid request")
 
     # ---- SGLang's native API ------------------------------------------------------------
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=_generate_doc())
     async def generate(request: Request):
         body = await read_json(request, args.max_request_bytes)
         unknown = sorted(k for k, v in body.items() if k not in _GENERATE_KEYS and v is not None)
@@ -161,11 +161,13 @@ def create_app(state: ServerState) -> FastAPI:
     app.get("/server_info")(server_info)
     app.get("/get_server_info")(server_info)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         if await state.client.flush_cache():
             return Response("Cache flushed.\n", status_code=200)
         return Response("Cache not flushed: requests are running.\n", status_code=400)
+
+    app.get("/flush_cache", operation_id="flush_cache_get")(flush_cache)
+    app.post("/flush_cache", operation_id="flush_cache_post")(flush_cache)
 
     @app.get("/health")
     async def health():
@@ -222,6 +224,25 @@ def create_app(state: ServerState) -> FastAPI:
 
     app.openapi = openapi
     return app
+
+
+def _generate_doc() -> dict:
+    """/generate's body for /openapi.json (the route reads and checks the body itself)."""
+    import msgspec
+
+    from plait.runtime.sampling import SamplingParams
+
+    sp = msgspec.json.schema(SamplingParams)["$defs"]["SamplingParams"]
+    one_or_many = lambda item: {"anyOf": [item, {"type": "array", "items": item}]}  # noqa: E731
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+    schema = {"type": "object", "additionalProperties": False, "properties": {
+        "text": one_or_many({"type": "string"}), "input_ids": one_or_many(ids),
+        "sampling_params": one_or_many(sp), "return_logprob": one_or_many({"type": "boolean"}),
+        "logprob_start_len": one_or_many({"type": "integer", "minimum": -1}),
+        "top_logprobs_num": one_or_many({"type": "integer", "minimum": 0}),
+        "return_text_in_logprobs": {"type": "boolean"}, "stream": {"type": "boolean"},
+        "rid": one_or_many({"type": "string"})}}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
 # ---- helpers shared with the OpenAI routes ------------------------------------------------
