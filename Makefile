@@ -7,7 +7,7 @@ SGLANG_STAMP := $(VENV)/.sglang-frontend
 # CPU torch build used where no GPU (and no torch of the user's) is present.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup run demo test test-slow bench bench-serving bench-structured bench-programs clean
+.PHONY: setup run demo test test-slow test-reliability bench bench-serving bench-structured bench-programs clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,12 @@ test: setup $(SGLANG_STAMP)
 test-slow: setup
 	@# exit code 5 means no test is marked slow yet
 	PLAIT_TEST_THREADS=1 $(PY) -m pytest -q -m slow tests || [ $$? -eq 5 ]
+
+# load with disconnects and aborts, a tiny KV pool, killed children, SIGTERM, a 20-minute memory soak
+# (about 45 minutes in all on 2 cores; SOAK_MINUTES=2 for a short one)
+SOAK_MINUTES ?= 20
+test-reliability: setup
+	$(PY) tests/reliability.py --soak-minutes $(SOAK_MINUTES)
 
 bench: setup
 	@# realistic prompts for the benchmarks ship in the registry data of `evals` (its dependencies are not needed)

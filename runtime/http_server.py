@@ -34,6 +34,7 @@ _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "log
                   "return_text_in_logprobs", "stream", "rid"}
 
 
+_THREAD_PARSE_BYTES = 256 * 1024
 # a runtime that died keeps answering 503 (on /health too) this long before the server exits
 _DEATH_GRACE = 2.0
 
@@ -254,6 +255,8 @@ async def read_json(request: Request, limit: int) -> dict:
         size += len(chunk)
         if size > limit:
             raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
+    if size > _THREAD_PARSE_BYTES:  # a big body is parsed off the event loop
+        return await asyncio.to_thread(parse_json_body, b"".join(chunks))
     return parse_json_body(b"".join(chunks))
 
 

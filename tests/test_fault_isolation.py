@@ -118,3 +118,28 @@ def test_a_fault_in_one_request_fails_it_alone(runner, fault):
     assert sched.stats()["num_failed"] == 1
     assert sched.idle and sched.kv.check() is None  # the failed request's KV went back
     sched.kv.flush()
+
+
+def test_a_large_request_does_not_starve_a_small_one(runner):
+    """Two running slots; a request of six sequences arrives first, then a single one. Fair admission
+    gives the single request the first free slot instead of queueing it behind the whole group."""
+    tok = runner.tokenizer
+    args = dataclasses.replace(runner.args, max_running_requests=2)
+    outs: list = []
+    sched = Scheduler(args, runner, outs.extend)
+    group = [msgspec.structs.replace(_msg(f"big{i}", tok, PROMPTS[i % 4], max_new_tokens=8), group="big")
+             for i in range(6)]
+    for m in group + [_msg("small", tok, "Hello", max_new_tokens=2)]:
+        sched.add_request(m)
+    first_output: dict[str, int] = {}
+    for step in range(200):
+        if not sched.step():
+            break
+        for o in outs:
+            first_output.setdefault(o.rid, step)
+        outs.clear()
+    assert len(first_output) == 7
+    later_big = sorted(first_output[f"big{i}"] for i in range(2, 6))
+    assert first_output["small"] < later_big[0], first_output
+    assert sched.kv.check() is None
+    sched.kv.flush()

@@ -21,13 +21,21 @@ def order_waiting(waiting: list["Req"], policy: str, kv: "KVManager") -> list["R
 
 
 def fair_order(ordered: list["Req"], running: list["Req"]) -> list["Req"]:
-    """Share the running slots between client requests: a waiting sequence whose request (its
-    group: a batch body, or n choices) already runs more sequences goes after those whose request
-    runs fewer, so one large request cannot starve small ones. Stable: ties keep `ordered`."""
+    """Share the running slots between client requests, round-robin: a waiting sequence of a request
+    (its group: a batch body, or n choices) ranks by how many of that request's sequences run or
+    wait ahead of it, so one large request cannot starve small ones. A sequence without a group is
+    a request of its own. Stable: ties keep `ordered`."""
     if not any(r.group for r in ordered):
         return ordered
-    counts: dict[str, int] = {}
+    ahead: dict[str, int] = {}
     for r in running:
         if r.group:
-            counts[r.group] = counts.get(r.group, 0) + 1
-    return sorted(ordered, key=lambda r: counts.get(r.group, 0) if r.group else 0)
+            ahead[r.group] = ahead.get(r.group, 0) + 1
+    ranks = {}
+    for r in ordered:
+        if r.group:
+            ranks[id(r)] = ahead.get(r.group, 0)
+            ahead[r.group] = ranks[id(r)] + 1
+        else:
+            ranks[id(r)] = 0
+    return sorted(ordered, key=lambda r: ranks[id(r)])
