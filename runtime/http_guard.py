@@ -12,12 +12,11 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
-import math
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 from urllib.parse import urlsplit
 
-MAX_JSON_DEPTH = 64
-INT64_MAX = 2**63 - 1
+from plait.runtime.limits import MAX_JSON_DEPTH, check_json_value
+
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 _OPEN_PATHS = ("/health",)  # liveness probes need no key
 
@@ -39,7 +38,7 @@ def error_body(status: int, message: str, type_: str | None = None) -> dict:
 
 # ---- JSON bodies ----------------------------------------------------------------------------
 def parse_json_body(raw: bytes) -> dict:
-    """The body as a JSON object, checked all through (see `check_json_value`)."""
+    """The body as a JSON object, checked all through (limits.check_json_value)."""
     try:
         data = json.loads(raw)
     except RecursionError:
@@ -50,41 +49,6 @@ def parse_json_body(raw: bytes) -> dict:
         raise BodyError("the body must be a JSON object")
     check_json_value(data)
     return data
-
-
-def check_json_value(value: Any, where: str = "") -> None:
-    """Refuse values JSON parsers accept but nothing downstream can handle: NaN/Infinity (Python's
-    json reads them, and 1e999 becomes inf), ints beyond int64, lone surrogates (valid JSON escapes,
-    invalid text), nesting beyond MAX_JSON_DEPTH. Iterative, so depth cannot overflow the stack."""
-    stack: list[tuple[Any, str, int]] = [(value, where, 0)]
-    while stack:
-        v, path, depth = stack.pop()
-        if isinstance(v, dict):
-            if depth >= MAX_JSON_DEPTH:
-                raise BodyError(f"the body is nested too deeply (more than {MAX_JSON_DEPTH} levels) at {path or 'the top'}")
-            for k, item in v.items():
-                _check_text(k, f"{path}.{k!r}" if path else repr(k))
-                stack.append((item, f"{path}.{k}" if path else str(k), depth + 1))
-        elif isinstance(v, list):
-            if depth >= MAX_JSON_DEPTH:
-                raise BodyError(f"the body is nested too deeply (more than {MAX_JSON_DEPTH} levels) at {path or 'the top'}")
-            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(v))
-        elif isinstance(v, str):
-            _check_text(v, path)
-        elif isinstance(v, bool) or v is None:
-            pass
-        elif isinstance(v, int):
-            if not -INT64_MAX - 1 <= v <= INT64_MAX:
-                raise BodyError(f"{path} is out of range (integers must fit in 64 bits)")
-        elif isinstance(v, float) and not math.isfinite(v):
-            raise BodyError(f"{path} must be a finite number, got {v}")
-
-
-def _check_text(s: str, path: str) -> None:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise BodyError(f"{path} is not valid text: a lone UTF-16 surrogate at character {e.start}") from None
 
 
 # ---- the ASGI middleware ----------------------------------------------------------------------

@@ -3,12 +3,16 @@ requests are refused before they cross a process boundary."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import msgspec
 
 from plait.runtime.io_struct import TokenizedGenerateReq
 from plait.runtime.sampling.params import INT64_MAX
 
 MAX_TOP_LOGPROBS = 20  # the hard ceiling; --max-top-logprobs may set a lower one
+MAX_JSON_DEPTH = 64
 
 
 class RuntimeLimits(msgspec.Struct, frozen=True):
@@ -62,3 +66,36 @@ def check_request_work(msgs: list[TokenizedGenerateReq], args, limits: RuntimeLi
         if m.top_logprobs_num > args.max_top_logprobs:
             raise ValueError(f"top_logprobs_num {m.top_logprobs_num} exceeds the limit of {args.max_top_logprobs} "
                              "(--max-top-logprobs)")
+
+
+def check_json_value(value: Any, where: str = "") -> None:
+    """Refuse values JSON parsers accept but nothing downstream can handle: NaN/Infinity (Python's
+    json reads them, and 1e999 becomes inf), ints beyond int64, lone surrogates (valid JSON escapes,
+    invalid text), nesting beyond MAX_JSON_DEPTH. Iterative, so depth cannot overflow the stack."""
+    stack: list[tuple[Any, str, int]] = [(value, where, 0)]
+    while stack:
+        v, path, depth = stack.pop()
+        if isinstance(v, (dict, list)) and depth >= MAX_JSON_DEPTH:
+            raise ValueError(f"the body is nested too deeply (more than {MAX_JSON_DEPTH} levels) at {path or 'the top'}")
+        if isinstance(v, dict):
+            for k, item in v.items():
+                _check_text(k, f"{path}.{k!r}" if path else repr(k))
+                stack.append((item, f"{path}.{k}" if path else str(k), depth + 1))
+        elif isinstance(v, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(v))
+        elif isinstance(v, str):
+            _check_text(v, path)
+        elif isinstance(v, bool) or v is None:
+            pass
+        elif isinstance(v, int):
+            if not -INT64_MAX - 1 <= v <= INT64_MAX:
+                raise ValueError(f"{path} is out of range (integers must fit in 64 bits)")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{path} must be a finite number, got {v}")
+
+
+def _check_text(s: str, path: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{path} is not valid text: a lone UTF-16 surrogate at character {e.start}") from None

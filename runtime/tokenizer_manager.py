@@ -31,9 +31,8 @@ from plait.runtime.io_struct import (
     TokenizedGenerateReq,
     ToClient,
 )
-from plait.runtime.http_guard import check_json_value
 from plait.runtime.launcher import RuntimeProcesses
-from plait.runtime.limits import check_request_work, validate_request
+from plait.runtime.limits import check_json_value, check_request_work, validate_request
 from plait.runtime.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)

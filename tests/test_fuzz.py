@@ -129,20 +129,16 @@ def test_fuzz_generate(http, body):
             assert isinstance(item["text"], str) and item["meta_info"]["finish_reason"] is not None
 
 
-@FUZZ_SETTINGS
-@given(body=chat_body)
-def test_fuzz_chat_completions(http, body):
-    r = _post(http, "/v1/chat/completions", body)
-    if r.status_code == 200 and body.get("stream") is not True:
-        assert r.json()["choices"]
+@pytest.mark.parametrize("path,bodies", [("/v1/chat/completions", chat_body), ("/v1/completions", completion_body)])
+def test_fuzz_openai(http, path, bodies):
+    @FUZZ_SETTINGS
+    @given(body=bodies)
+    def one(body):
+        r = _post(http, path, body)
+        if r.status_code == 200 and body.get("stream") is not True:
+            assert r.json()["choices"]
 
-
-@FUZZ_SETTINGS
-@given(body=completion_body)
-def test_fuzz_completions(http, body):
-    r = _post(http, "/v1/completions", body)
-    if r.status_code == 200 and body.get("stream") is not True:
-        assert r.json()["choices"]
+    one()
 
 
 # ---- hypothesis over grammars with non-ASCII and non-BMP characters -----------------------------------
