@@ -191,7 +191,7 @@ async def _greedy_outputs(url: str, n: int) -> list[str]:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         async def one(i: int):
             r = await client.post("/generate", json={"text": PROMPTS[i % len(PROMPTS)] + f" ({i})",
-                                                     "sampling_params": {"max_new_tokens": 64, "temperature": 0,
+                                                     "sampling_params": {"max_new_tokens": 96, "temperature": 0,
                                                                          "ignore_eos": True}})
             r.raise_for_status()
             return r.json()["output_ids"]
@@ -203,7 +203,7 @@ def phase_tiny_kv(a) -> bool:
     n = 32
     outs = {}
     retracted = 0
-    for name, tokens in (("roomy", "32768"), ("tiny", "600")):
+    for name, tokens in (("roomy", "32768"), ("tiny", "320")):  # 320 tokens: about 3 of the 32 at full length
         srv = Server("--max-total-tokens", tokens, "--dtype", "float32", "--num-threads", str(a.threads))
         try:
             t = time.perf_counter()
@@ -315,7 +315,9 @@ def phase_soak(a) -> bool:
                     samples.append((time.perf_counter() - t0, _rss_mib(pids["scheduler"]), _rss_mib(pids["server"])))
                     await asyncio.sleep(10)
 
+            t0 = time.perf_counter()
             await asyncio.gather(sampler(), *(worker() for _ in range(16)))
+            report.seconds = time.perf_counter() - t0
             report.kv_check = await _settled_kv_check(client)
         return report
 
