@@ -1,13 +1,16 @@
 """Build and load the small C kernels of the CPU path.
 
-Each source is compiled with the system C compiler on first use, for the machine that runs it
-(-march=native), and cached by source, compiler and flags. Where no compiler is found, or
-PLAIT_DISABLE_C_KERNELS is set, callers get None and run their torch reference.
+Each source is compiled with the system C compiler on first use for the CPU's instruction-set
+level (kernels/cpu_isa.py: its flags, never -march=native), and cached by source, compiler
+version, level and flags, so a cache made on one CPU is never loaded on another. Where no
+compiler is found, the level is `ref`, or PLAIT_DISABLE_C_KERNELS is set, callers get None and
+run their torch reference.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -16,10 +19,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from plait.kernels import cpu_isa
+
 logger = logging.getLogger(__name__)
 
 # -fopenmp links libgomp.so.1 by soname: the copy torch already loaded, so kernels share its threads
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 
 
 # argument types of the kernels' C signatures
@@ -27,36 +32,65 @@ PTR, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_i
 
 
 def load_library(name: str, **signatures: tuple) -> ctypes.CDLL | None:
-    """`kernels/<name>.c` as a loaded library, or None where it cannot be built. Each keyword names
-    one of its functions (all return void) with its argument types. Callers cache the result."""
-    if os.environ.get("PLAIT_DISABLE_C_KERNELS"):
+    """`kernels/<name>.c` built for the selected ISA level as a loaded library, or None where it
+    cannot be built (or the level is `ref`). Each keyword names one of its functions (all return
+    void) with its argument types. Callers cache the result."""
+    level = cpu_isa.selected()
+    if os.environ.get("PLAIT_DISABLE_C_KERNELS") or level == "ref":
+        _LOADED[name] = "torch"
         return None
     try:
-        lib = ctypes.CDLL(str(_build(Path(__file__).with_name(f"{name}.c"))))
+        lib = ctypes.CDLL(str(_build(Path(__file__).with_name(f"{name}.c"), level)))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         logger.warning("C kernel %s unavailable (%s); using its torch reference", name, e)
+        _LOADED[name] = "torch"
         return None
     for fn, argtypes in signatures.items():
         getattr(lib, fn).argtypes = list(argtypes)
         getattr(lib, fn).restype = None
+    _LOADED[name] = f"c/{level}"
     return lib
 
 
-def _build(source_path: Path) -> Path:
+# kernel name -> what serves it ("c/<level>" or "torch"), for the start-up log and /server_info
+_LOADED: dict[str, str] = {}
+
+
+def loaded_kernels() -> dict[str, str]:
+    """Load every CPU kernel now (a bad PLAIT_CPU_ISA fails here, at start-up) and say what serves
+    each: {"cpu_isa": level, kernel: "c/<level>" | "torch"}."""
+    from plait.kernels import cpu_attention, cpu_bitmask, cpu_fused, cpu_linear
+
+    for module in (cpu_attention, cpu_bitmask, cpu_fused, cpu_linear):
+        module._library()
+    return {"cpu_isa": cpu_isa.selected(), **_LOADED}
+
+
+def _build(source_path: Path, level: str) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found")
+    flags = [*_FLAGS, *cpu_isa.compile_flags(level)]
     # headers are part of every kernel's build: a change to any of them rebuilds
     source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
-    digest = hashlib.sha256(source + " ".join([compiler, *_FLAGS, os.uname().machine]).encode()).hexdigest()[:16]
+    key = " ".join([compiler, _compiler_version(compiler), level, *flags, os.uname().machine])
+    digest = hashlib.sha256(source + key.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "plait" / "kernels"
-    target = cache / f"{source_path.stem}-{digest}.so"
+    target = cache / f"{source_path.stem}-{level}-{digest}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, str(source_path), "-o", str(out), "-lm"], check=True,
+        subprocess.run([compiler, *flags, str(source_path), "-o", str(out), "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(out, target)  # atomic: concurrent builders never see a partial file
     return target
+
+
+@functools.lru_cache(maxsize=4)
+def _compiler_version(compiler: str) -> str:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -50,6 +50,10 @@ class ModelRunner:
         # a few spare rows: retracted and chunked requests hold rows beside the running ones
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_length + 1)
         logger.info("KV pool: %d tokens (%.0f MiB)", self.allocator.capacity, self._kv_bytes(num_slots) / 2**20)
+        from plait.kernels.cpu_build import loaded_kernels
+
+        self.kernels = loaded_kernels()
+        logger.info("dtype %s; CPU kernels: %s", args.dtype, ", ".join(f"{k} {v}" for k, v in self.kernels.items()))
 
     def _kv_bytes(self, tokens: int) -> int:
         cfg = self.config

@@ -5,15 +5,25 @@ import os
 import pytest
 import torch
 
-from plait.kernels import cpu_fused
+from plait.kernels import cpu_fused, cpu_isa
 from plait.kernels.cpu_attention import _library, paged_attention, paged_attention_ref
 from plait.kernels.cpu_linear import _library as linear_library
 from plait.kernels.cpu_linear import skinny_linear
 
 
+C_KERNELS = cpu_isa.selected() != "ref"  # PLAIT_CPU_ISA=ref: only the torch references run
+
+
+def _expect_kernel(present) -> None:
+    if C_KERNELS:
+        assert present, "the C kernel should build here (a C compiler is on the machine)"
+    else:
+        assert not present, "PLAIT_CPU_ISA=ref must run no C kernel"
+
+
 @pytest.mark.parametrize("batch,heads,groups,dim,length", [(1, 3, 3, 64, 7), (5, 2, 4, 32, 40), (64, 3, 3, 64, 300)])
 def test_paged_attention_kernel_matches_reference(batch, heads, groups, dim, length):
-    assert _library() is not None, "the C kernel should build here (a C compiler is on the machine)"
+    _expect_kernel(_library())
     torch.manual_seed(0)
     slots_total = 4096
     k = torch.randn(heads, slots_total, dim)
@@ -48,7 +58,7 @@ def test_paged_attention_extend_rows_match_reference(heads, groups, dim):
 
 @pytest.mark.parametrize("rows", [1, 64, 2048])
 def test_fused_ops_match_torch(rows):
-    assert cpu_fused._library() is not None
+    _expect_kernel(cpu_fused._library())
     torch.manual_seed(rows)
     x, y, w = torch.randn(rows, 576), torch.randn(rows, 576), torch.randn(576)
     gate_up = 4 * torch.randn(rows, 3072)
@@ -73,7 +83,7 @@ def test_kernel_falls_back_for_other_dtypes():
 @pytest.mark.parametrize("rows,out,inp", [(1, 960, 576), (3, 4, 8), (5, 9, 20), (7, 1, 1), (2, 49152, 576), (32, 33, 31)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_matches_f_linear(rows, out, inp, bias):
-    assert linear_library() is not None, "the C compiler is part of the test machine"
+    _expect_kernel(linear_library())
     torch.manual_seed(rows * out + inp)
     x, w = torch.randn(rows, inp), torch.randn(out, inp)
     b = torch.randn(out) if bias else None
@@ -139,6 +149,7 @@ def test_bitmask_unpack_matches_matcher(tokenizer):
         assert all(m.copy().accept_token(t) for t in allowed)
 
 
+@pytest.mark.skipif(not C_KERNELS, reason="PLAIT_CPU_ISA=ref: no C kernel to compare")
 def test_c_bitmask_kernel_matches_torch_reference():
     from plait.kernels.cpu_bitmask import apply_token_bitmask_cpu
     from plait.runtime.constrained.bitmask import apply_token_bitmask_ref
@@ -154,3 +165,41 @@ def test_c_bitmask_kernel_matches_torch_reference():
         apply_token_bitmask_ref(ref, bitmask)
         assert apply_token_bitmask_cpu(out, bitmask)
         assert torch.equal(ref, out), (batch, vocab)
+
+
+# ---- instruction-set levels -------------------------------------------------------------------
+def test_every_isa_level_this_cpu_has_matches_the_references():
+    """The kernel tests above, rerun with the kernels built for each level the CPU supports
+    (PLAIT_CPU_ISA), `ref` (torch references only) included."""
+    import subprocess
+    import sys
+
+    from plait.kernels import cpu_isa
+
+    levels = [lvl for lvl in cpu_isa.supported_levels() if lvl != cpu_isa.selected()]
+    for level in levels:
+        env = {**os.environ, "PLAIT_CPU_ISA": level}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k",
+                               "matches_reference or match_torch or matches_f_linear or c_bitmask or falls_back"],
+                              env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
+        assert proc.returncode == 0 and " passed" in proc.stdout, f"PLAIT_CPU_ISA={level}:\n{proc.stdout[-3000:]}"
+
+
+def test_isa_level_is_checked_and_keys_the_cache(monkeypatch):
+    from plait.kernels import cpu_build, cpu_isa
+
+    with pytest.raises(ValueError, match="must be one of"):
+        cpu_isa.check_level("avx9000")
+    lacking = [lvl for lvl in cpu_isa.LEVELS if lvl not in cpu_isa.supported_levels()]
+    for lvl in lacking:
+        with pytest.raises(ValueError, match="this CPU lacks"):
+            cpu_isa.check_level(lvl)
+    assert cpu_isa.detect(frozenset({"avx2", "fma", "f16c"})) == "avx2"
+    assert cpu_isa.detect(frozenset()) == "ref"
+    assert cpu_isa.detect(frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                                     "avx512_bf16", "avx512_vnni"})) == "avx512_bf16"
+    source = cpu_build.Path(cpu_build.__file__).with_name("fused_ops.c")
+    built = {lvl: cpu_build._build(source, lvl) for lvl in cpu_isa.supported_levels() if lvl != "ref"}
+    assert len(set(built.values())) == len(built)  # one cached library per level
+    assert all(lvl in path.name for lvl, path in built.items())
+    assert "-march=native" not in cpu_build._FLAGS

@@ -408,6 +408,8 @@ class Scheduler:
             "cache_evictable": cache.evictable_tokens,
             "cache_protected": cache.protected_tokens,
             "cache_hit_rate": cache.hit_rate,
+            "dtype": self.args.dtype,
+            "kernels": self.runner.kernels,
             "num_retracted": self.num_retracted,
             "num_failed": self.num_failed,
             # the KV accounting checked end to end, when nothing runs (None while busy)
