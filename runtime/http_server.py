@@ -120,16 +120,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
-        parts = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-        return error_response(400, "; ".join(parts) or "invalid request")
+        return error_response(400, validation_message(e.errors()))
 
     # ---- SGLang's native API ------------------------------------------------------------
     @app.post("/generate", openapi_extra=_generate_doc())
     async def generate(request: Request):
-        body = await read_json(request, args.max_request_bytes)
+        body = await read_json(request)
         unknown = sorted(k for k, v in body.items() if k not in _GENERATE_KEYS and v is not None)
         if unknown:
             raise HTTPError(400, f"unknown field(s) in /generate: {', '.join(unknown)}")
@@ -191,7 +187,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = await read_json(request, args.max_request_bytes)
+        body = await read_json(request)
         rid = body.get("rid")
         if not isinstance(rid, str):
             raise HTTPError(400, "rid must be a string")
@@ -247,17 +243,22 @@ def _generate_doc() -> dict:
 
 
 # ---- helpers shared with the OpenAI routes ------------------------------------------------
-async def read_json(request: Request, limit: int) -> dict:
-    """The body as a checked JSON object (http_guard.parse_json_body); bounded even when chunked."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
-    if size > _THREAD_PARSE_BYTES:  # a big body is parsed off the event loop
-        return await asyncio.to_thread(parse_json_body, b"".join(chunks))
-    return parse_json_body(b"".join(chunks))
+async def read_json(request: Request) -> dict:
+    """The body as a checked JSON object (http_guard.parse_json_body). Its size is bounded by the
+    Guard middleware, chunked bodies included."""
+    raw = b"".join([chunk async for chunk in request.stream()])
+    if len(raw) > _THREAD_PARSE_BYTES:  # a big body is parsed off the event loop
+        return await asyncio.to_thread(parse_json_body, raw)
+    return parse_json_body(raw)
+
+
+def validation_message(errors: list[dict]) -> str:
+    """pydantic's errors as one message naming each field ("messages.0.role: Input should be ...")."""
+    parts = []
+    for err in errors:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
 
 
 async def first_or_disconnect(request: Request, client: RuntimeClient, gen: AsyncIterator):

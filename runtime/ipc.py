@@ -26,15 +26,15 @@ class Addresses:
     client: str  # the client's inbox
 
     @staticmethod
-    def private() -> tuple["Addresses", str]:
-        """Fresh ipc:// addresses in a new directory only this user can enter; returns them and the
-        directory (which names its owner's pid, so a later start can remove it if it was left behind)."""
+    def private() -> "Addresses":
+        """Fresh ipc:// addresses in a new directory (`root`) only this user can enter; the directory
+        names its owner's pid, so a later start can remove it if it was left behind."""
         remove_stale_dirs()
         root = tempfile.mkdtemp(prefix=_PREFIX)
         os.chmod(root, 0o700)
         with open(os.path.join(root, _OWNER), "w") as f:
             f.write(str(os.getpid()))
-        return Addresses(*(f"ipc://{os.path.join(root, n)}" for n in ("scheduler", "detokenizer", "client"))), root
+        return Addresses(*(f"ipc://{os.path.join(root, n)}" for n in ("scheduler", "detokenizer", "client")))
 
     @property
     def root(self) -> str:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from plait.runtime.ipc import Addresses, remove_dir
@@ -36,7 +36,6 @@ class RuntimeProcesses:
     limits: RuntimeLimits
     tokenizer: Any
     procs: dict[str, subprocess.Popen]
-    _root: str = field(repr=False, default="")
 
     def dead(self) -> list[str]:
         """Names of children that have exited."""
@@ -53,16 +52,16 @@ class RuntimeProcesses:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
-        remove_dir(self._root)
+        remove_dir(self.addrs.root)
 
 
 def launch_runtime(args: ServerArgs) -> RuntimeProcesses:
     """Start the scheduler and detokenizer; load the tokenizer here meanwhile; return when all are ready."""
-    addrs, root = Addresses.private()
+    addrs = Addresses.private()
     config = json.dumps({"args": dataclasses.asdict(args), "addrs": dataclasses.asdict(addrs)}) + "\n"
     procs: dict[str, subprocess.Popen] = {}
     pipes: dict[str, int] = {}
-    handle = RuntimeProcesses(args, addrs, RuntimeLimits(0, 0, 0), None, procs, root)
+    handle = RuntimeProcesses(args, addrs, RuntimeLimits(0, 0, 0), None, procs)
     try:
         for name in ("scheduler", "detokenizer"):
             r, w = os.pipe()

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from plait.runtime.http_server import HTTPError, ServerState, first_or_disconnect, read_json, sse
+from plait.runtime.http_server import HTTPError, ServerState, first_or_disconnect, read_json, sse, validation_message
 from plait.runtime.io_struct import TokenizedGenerateReq
 from plait.runtime.limits import validate_request
 from plait.runtime.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -35,13 +35,11 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
     async def completions(request: Request):
-        req = await _parse(request, state, CompletionRequest)
+        req = await _parse(request, CompletionRequest)
         client = state.client
         if req.echo and req.logprobs is not None:
             raise HTTPError(400, "echo with logprobs is not supported")
-        long = isinstance(req.prompt, str) and len(req.prompt) >= 4096 or isinstance(req.prompt, list)
-        build = functools.partial(_completion_requests, client, req)
-        msgs, prompts = await asyncio.to_thread(build) if long else build()
+        msgs, prompts = await asyncio.to_thread(_completion_requests, client, req)  # tokenizing off the loop
         states = client.submit(msgs)
         echo = [client.tokenizer.decode(ids) if req.echo and client.tokenizer else "" for ids in prompts]
         view = _Completion(state, req, states, echo)
@@ -49,7 +47,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        req = await _parse(request, state, ChatCompletionRequest)
+        req = await _parse(request, ChatCompletionRequest)
         client = state.client
         msgs = await asyncio.to_thread(_chat_requests, client, req)  # templates and tokenizing off the loop
         states = client.submit(msgs)
@@ -57,17 +55,13 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         return await _respond(request, client, states, view)
 
 
-async def _parse(request: Request, state: ServerState, model: type[BaseModel]):
+async def _parse(request: Request, model: type[BaseModel]):
     """The body as `model`, strictly (no bool for an int, no string for a number); a 400 names each field."""
-    body = await read_json(request, state.args.max_request_bytes)
+    body = await read_json(request)
     try:
         return model.model_validate(body, strict=True)
     except ValidationError as e:
-        parts = []
-        for err in e.errors(include_url=False):
-            loc = ".".join(str(x) for x in err.get("loc", ()))
-            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-        raise HTTPError(400, "; ".join(parts) or "invalid request") from None
+        raise HTTPError(400, validation_message(e.errors(include_url=False))) from None
 
 
 def _body_doc(model: type[BaseModel]) -> dict:

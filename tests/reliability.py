@@ -89,7 +89,7 @@ async def _one(client: httpx.AsyncClient, rng: random.Random, i: int, report: Lo
                 await asyncio.sleep(rng.uniform(0.1, 1.0))
                 await client.post("/abort_request", json={"rid": rid})
 
-            aborter = asyncio.ensure_future(abort_later())
+            aborter = asyncio.ensure_future(abort_later())  # noqa: F841 - held: a bare task may be collected
         if stream:
             done = False
             events = 0

@@ -60,9 +60,9 @@ def _find(sched: Scheduler, rid: str):
     return None
 
 
-def _plant_on(rid: str, attr_path: str, needs_grammar: bool = False):
-    """A planter that replaces req.<attr_path> by a raising function once the request exists (and,
-    for grammar attributes, once its grammar compiled)."""
+def _plant_on(rid: str, attr_path: str, value=_boom, needs_grammar: bool = False):
+    """A planter that replaces req.<attr_path> by `value` (a raising function by default) once the
+    request has a token (and, for grammar attributes, once its grammar compiled)."""
 
     def plant(sched: Scheduler) -> bool:
         req = _find(sched, rid)
@@ -72,7 +72,7 @@ def _plant_on(rid: str, attr_path: str, needs_grammar: bool = False):
         *parents, name = attr_path.split(".")
         for p in parents:
             obj = getattr(obj, p)
-        setattr(obj, name, _boom)
+        setattr(obj, name, value)
         return True
 
     return plant
@@ -96,15 +96,9 @@ def test_a_fault_in_one_request_fails_it_alone(runner, fault):
         "stop_check": _plant_on("victim", "check_finished"),
         "grammar_accept": _plant_on("victim", "grammar.accept_token", needs_grammar=True),
         "grammar_mask": _plant_on("victim", "grammar.fill_bitmask", needs_grammar=True),
-        "sampler": None,
+        # torch.rand(generator=...) raises inside the batched sample
+        "sampler": _plant_on("victim", "generator", value=object()),
     }[fault]
-    if fault == "sampler":
-        def plant(s: Scheduler) -> bool:
-            req = _find(s, "victim")
-            if req is None or req.output_len == 0:
-                return False
-            req.generator = object()  # torch.rand(generator=...) raises inside the batched sample
-            return True
 
     victim = _msg("victim", tok, "Tell me about cats.", **victim_params)
     again = [msgspec.structs.replace(m, rid=m.rid + "-again") for m in good]

@@ -45,7 +45,7 @@ class GrammarManager:
         self.tokens_jumped = 0  # draft tokens the model confirmed
         self.drafted = 0
         self.lazy_fills = 0  # masks filled because an unmasked pick was rejected
-        self._faults: list[Req] = []  # requests whose mask fill raised (req.grammar_fault), for the scheduler
+        self._faults: list[tuple[Req, Exception]] = []  # mask fills that raised, for the scheduler to fail
 
     # ---- compile ---------------------------------------------------------------------------
     def submit(self, req: Req, kind: str, text: str) -> None:
@@ -105,14 +105,13 @@ class GrammarManager:
                         r.grammar.accept_token(t)  # checked when the draft was planned
                         r.grammar.fill_bitmask(bitmask, row + 1 + i)
                 except Exception as e:  # noqa: BLE001 - fails this request alone (the scheduler reports it)
-                    r.grammar_fault = e
-                    self._faults.append(r)
+                    self._faults.append((r, e))
             return bitmask, first
 
         return self._pool.submit(fill)
 
-    def take_faults(self) -> list[Req]:
-        """Requests whose mask fill raised in the last `start_masks` (call after its result)."""
+    def take_faults(self) -> list[tuple[Req, Exception]]:
+        """(request, exception) for each mask fill that raised in the last `start_masks` (call after its result)."""
         faults, self._faults = self._faults, []
         return faults
 

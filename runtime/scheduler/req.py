@@ -33,7 +33,6 @@ class Req:
 
         self.grammar = None  # Matcher once compiled (constrained requests)
         self.grammar_compile = None  # its constrained/base.Compile while the grammar compiles
-        self.grammar_fault: BaseException | None = None  # raised by its mask fill on the worker thread
         self.draft: list[int] = []  # jump-forward tokens at the end of output_ids, not yet verified
         self.row: int | None = None
         self.last_node = None

@@ -245,8 +245,8 @@ class Scheduler:
                 self.kv.cache_prefix(req)  # siblings waiting on this prefix can share it now
             row += nrows
         mask_rows = masks.result() if masks is not None else None
-        for req in self.grammars.take_faults():  # a mask fill that raised
-            self._fail_request(req, "filling its grammar mask", req.grammar_fault)
+        for req, e in self.grammars.take_faults():  # a mask fill that raised
+            self._fail_request(req, "filling its grammar mask", e)
         to_sample = [(r, i) for r, i in to_sample if r.finish is None]
         to_verify = [(r, i) for r, i in to_verify if r.finish is None]
         if to_sample:
