@@ -4,7 +4,8 @@ each seeing the keys up to its own position: causal attention without a mask).
 
 The reference gathers every query's keys into a padded copy before attending; at 64 requests
 x 300 tokens that copy moves ~1 GB per decode step and takes most of it. The kernel reads keys in
-place through the slot table. Where no compiler is found, the reference runs.
+place through the slot table. Where no compiler is found, the reference runs. Queries, outputs and
+the arithmetic are float32; the pools may hold bfloat16 or float16 (half the bytes per key).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import functools
 import torch
 
 from plait.kernels.cpu_build import F32, I64, INT, PTR, load_library
+from plait.kernels.cpu_linear import FORMATS
 
 _MIN_ROWS_PER_THREAD = 2048
 _REF_CHUNK = 64
@@ -33,6 +35,7 @@ def paged_attention_ref(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Ten
         sl = slice(i, i + _REF_CHUNK)
         length = int(lens[sl].max())
         k, v = gather_kv(k_pool, v_pool, slots.index_select(0, rows[sl])[:, :length])
+        k, v = k.to(q.dtype), v.to(q.dtype)
         batch = k.shape[0]
         mask = torch.zeros(batch, 1, 1, length, dtype=q.dtype)
         mask.masked_fill_((torch.arange(length)[None, :] >= lens[sl, None]).view(batch, 1, 1, length), float("-inf"))
@@ -63,8 +66,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as paged_attention_ref; the C kernel where it applies."""
     lib = _library()
-    if (lib is None or q.device.type != "cpu" or q.dtype != torch.float32 or k_pool.dtype != torch.float32
-            or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1):
+    if (lib is None or q.device.type != "cpu" or q.dtype != torch.float32 or k_pool.dtype not in FORMATS
+            or v_pool.dtype != k_pool.dtype or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1):
         return paged_attention_ref(q, k_pool, v_pool, slots, lens, scale, rows)
     q = q.contiguous()
     slots = slots.contiguous()
@@ -79,11 +82,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     lib.paged_attention(
         q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), slots.data_ptr(), None if rows is None else rows.data_ptr(),
         lens.data_ptr(), out.data_ptr(), lse.data_ptr(), num_queries, heads, groups, dim, vdim, slots.shape[1],
-        k_pool.stride(1), v_pool.stride(1), k_pool.stride(0), v_pool.stride(0), scale, threads,
+        k_pool.stride(1), v_pool.stride(1), k_pool.stride(0), v_pool.stride(0), scale, FORMATS[k_pool.dtype], threads,
     )
     return out, lse
 
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    return load_library("paged_attention", paged_attention=(PTR,) * 8 + (I64,) * 10 + (F32, INT))
+    return load_library("paged_attention", paged_attention=(PTR,) * 8 + (I64,) * 10 + (F32, INT, INT))

@@ -52,6 +52,13 @@ def load_library(name: str, **signatures: tuple) -> ctypes.CDLL | None:
     return lib
 
 
+def c_kernels_possible() -> bool:
+    """Whether the C kernels can run here (a compiler, a level other than `ref`, not disabled), without
+    building anything."""
+    return (not os.environ.get("PLAIT_DISABLE_C_KERNELS") and cpu_isa.selected() != "ref"
+            and _compiler() is not None)
+
+
 # kernel name -> what serves it ("c/<level>" or "torch"), for the start-up log and /server_info
 _LOADED: dict[str, str] = {}
 
@@ -67,7 +74,7 @@ def loaded_kernels() -> dict[str, str]:
 
 
 def _build(source_path: Path, level: str) -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if not compiler:
         raise RuntimeError("no C compiler found")
     flags = [*_FLAGS, *cpu_isa.compile_flags(level)]
@@ -86,6 +93,10 @@ def _build(source_path: Path, level: str) -> Path:
                        capture_output=True, timeout=120)
         os.replace(out, target)  # atomic: concurrent builders never see a partial file
     return target
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 @functools.lru_cache(maxsize=4)

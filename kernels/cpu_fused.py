@@ -1,6 +1,7 @@
 """Fused element-wise steps of a decoder layer on CPU (C kernel, `kernels/fused_ops.c`), each with
-its torch reference: rms_norm, residual add + rms_norm, silu(gate) * up. Where the kernel does not
-apply (no compiler, not float32 CPU, not contiguous rows) the reference runs."""
+its torch reference: rms_norm, residual add + rms_norm, silu(gate) * up, and RoPE on q and k with
+the K/V store into the pool. Where the kernel does not apply (no compiler, not float32 CPU, not
+contiguous rows) the reference runs."""
 
 from __future__ import annotations
 
@@ -26,6 +27,47 @@ def add_rms_norm_ref(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: flo
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rope_store_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                   k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """qkv [T, (heads + 2 kv_heads) D] (q, k, v heads); cos, sin [T, D]. Rotates q and k (HF's
+    rotate-half RoPE), writes k and v to the pools [kv_heads, S, D] at `slots` [T] (rounded to the
+    pool's dtype) and returns q [T, heads, D]."""
+    t, d = qkv.shape[0], cos.shape[-1]
+    q = qkv[:, : heads * d].view(t, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        half = d // 2
+        return x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[:, None]
+
+    k_pool.index_copy_(1, slots, rotate(k).transpose(0, 1).to(k_pool.dtype))
+    v_pool.index_copy_(1, slots, v.transpose(0, 1).to(v_pool.dtype))
+    return rotate(q)
+
+
+_STORE_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+               k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Same contract as rope_store_ref, in one pass (C) where it applies."""
+    lib = _library()
+    d = cos.shape[-1]
+    if (lib is None or qkv.dtype != torch.float32 or not qkv.is_contiguous() or qkv.dim() != 2
+            or cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
+            or k_pool.dtype not in _STORE_FORMATS or v_pool.dtype != k_pool.dtype or d > 1024 or d % 2
+            or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1):
+        return rope_store_ref(qkv, cos, sin, heads, kv_heads, k_pool, v_pool, slots)
+    tokens = qkv.shape[0]
+    q = torch.empty(tokens, heads, d, dtype=torch.float32)
+    slots = slots.contiguous()
+    lib.rope_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                   slots.data_ptr(), tokens, heads, kv_heads, d, k_pool.stride(1), k_pool.stride(0), v_pool.stride(1),
+                   v_pool.stride(0), _STORE_FORMATS[k_pool.dtype], torch.get_num_threads())
+    return q
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,4 +110,5 @@ def _fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     return load_library("fused_ops", rms_norm=(PTR, PTR, PTR, I64, I64, F32, INT),
-                        add_rms_norm=(PTR, PTR, PTR, PTR, I64, I64, F32, INT), silu_mul=(PTR, PTR, I64, I64, INT))
+                        add_rms_norm=(PTR, PTR, PTR, PTR, I64, I64, F32, INT), silu_mul=(PTR, PTR, I64, I64, INT),
+                        rope_store=(PTR,) * 7 + (I64,) * 8 + (INT, INT))

@@ -4,7 +4,9 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <string.h>
 #include "simd.h"
+#include "simd_cvt.h"
 
 // rows per thread below which a second thread costs more than it saves
 #define MIN_ELEMS_PER_THREAD 32768
@@ -72,5 +74,52 @@ void silu_mul(const float *gu, float *out, int64_t rows, int64_t n, int threads)
     }
 #endif
     for (; i < n; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+  }
+}
+
+// float32 -> bfloat16, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+// x rotated by rotate-half RoPE: out[i] = x[i] cos[i] - x[i + D/2] sin[i], out[i + D/2] = x[i + D/2] cos[i + D/2]
+// + x[i] sin[i + D/2] (HF's layout)
+static inline void rope_row(const float *x, const float *c, const float *s, float *out, int64_t d) {
+  const int64_t h = d / 2;
+  for (int64_t i = 0; i < h; ++i) out[i] = x[i] * c[i] - x[i + h] * s[i];
+  for (int64_t i = h; i < d; ++i) out[i] = x[i] * c[i] + x[i - h] * s[i];
+}
+
+static inline void store_row(const float *src, void *dst, int64_t d, int fmt) {
+  if (fmt == FMT_BF16) {
+    uint16_t *o = (uint16_t *)dst;
+    for (int64_t i = 0; i < d; ++i) o[i] = f32_to_bf16(src[i]);
+  } else {
+    memcpy(dst, src, sizeof(float) * (size_t)d);
+  }
+}
+
+// One pass over a layer's fresh qkv [T, (hq + 2 hkv) d] (q heads, k heads, v heads per row): q rotated
+// into q_out [T, hq, d]; k rotated and v as is, stored in the pools (format kv_fmt: FMT_F32 or
+// FMT_BF16, rounded to nearest even) at slot slots[t] of each head (k_row / v_row elements between
+// slots, k_head / v_head between heads). cos, sin [T, d]. Replaces about a dozen torch ops per layer.
+void rope_store(const float *qkv, const float *cos, const float *sin, float *q_out, void *k_pool, void *v_pool,
+                const int64_t *slots, int64_t tokens, int64_t hq, int64_t hkv, int64_t d, int64_t k_row,
+                int64_t k_head, int64_t v_row, int64_t v_head, int kv_fmt, int threads) {
+  const int64_t width = (hq + 2 * hkv) * d, esize = kv_fmt == FMT_BF16 ? 2 : 4;
+#pragma omp parallel for num_threads(pick_threads(tokens * width, threads))
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float *row = qkv + t * width, *c = cos + t * d, *s = sin + t * d;
+    float rotated[1024];  // head size <= 1024, checked by the caller
+    for (int64_t h = 0; h < hq; ++h) rope_row(row + h * d, c, s, q_out + (t * hq + h) * d, d);
+    for (int64_t h = 0; h < hkv; ++h) {
+      rope_row(row + (hq + h) * d, c, s, rotated, d);
+      store_row(rotated, (char *)k_pool + (h * k_head + slots[t] * k_row) * esize, d, kv_fmt);
+      store_row(row + (hq + hkv + h) * d, (char *)v_pool + (h * v_head + slots[t] * v_row) * esize, d, kv_fmt);
+    }
   }
 }

@@ -2,7 +2,12 @@
 // place from the KV pool (no gather copy). Decode queries have one row each; prefill ("extend")
 // tokens share their request's row and differ in how many keys they see, which is causal
 // attention without a mask. One task per (query, kv head) covers that head's G grouped query
-// heads, so each key row is read once for all of them. Float32; threads take tasks dynamically.
+// heads, so each key row is read once for all of them. q, out and the arithmetic are float32; K/V
+// are float32, bfloat16 or float16 (widened on load). Threads take tasks dynamically.
+//
+// Batch- and cache-invariant: a query's scores, softmax and value sums run in an order fixed by
+// its own key count alone, so its output is the same whatever else is in the batch, whether it
+// is an extend token or a decode step, and wherever a cached prefix ends.
 //
 // Speed comes from keeping accumulators in registers: G is a compile-time constant in the
 // specialised bodies (switch below), scores take four keys per pass, the value sum several
@@ -13,24 +18,29 @@
 #include <stdlib.h>
 #include <string.h>
 #include "simd.h"
+#include "simd_cvt.h"
 
 typedef struct {
-  const float *q, *k, *v;
+  const float *q;
+  const void *k, *v;
   const int64_t *slots, *rows, *lens;
   float *out, *lse;
   int64_t heads, groups, dim, vdim, max_len, k_row, v_row, k_head, v_head;
   float scale;
+  int fmt;  // K/V storage format
 } Args;
 
 // rows sit wherever their slots are: fetch a few ahead so the loads overlap the arithmetic
 #define PREFETCH 16
 #define VBLOCK 64  // value rows per block: 64 x 256 B (head size 64) stays in L1
-static inline void prefetch_row(const float *row, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(row + i, 0, 1);
+#define ELEM(fmt) ((fmt) == FMT_F32 ? 4 : 2)
+static inline void prefetch_row(const void *row, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)row + i, 0, 1);
 }
 
 // the scalar path: any G, any head size
-static void task_scalar(const Args *a, int64_t qi, int64_t h, float *scores) {
+static inline __attribute__((always_inline)) void task_scalar(const Args *a, int64_t qi, int64_t h, float *scores,
+                                                             const int fmt) {
   const int64_t G = a->groups, D = a->dim, Dv = a->vdim, L = a->max_len, n = a->lens[qi];
   const int64_t *sl = a->slots + (a->rows ? a->rows[qi] : qi) * L;
   const float *qb = a->q + (qi * a->heads + h) * G * D;
@@ -38,9 +48,9 @@ static void task_scalar(const Args *a, int64_t qi, int64_t h, float *scores) {
   for (int64_t g = 0; g < G; ++g) {
     float mx = -INFINITY, sum = 0.f;
     for (int64_t j = 0; j < n; ++j) {
-      const float *kr = a->k + h * a->k_head + sl[j] * a->k_row;
+      const void *kr = at(a->k, h * a->k_head + sl[j] * a->k_row, fmt);
       float s = 0.f;
-      for (int64_t d = 0; d < D; ++d) s += qb[g * D + d] * kr[d];
+      for (int64_t d = 0; d < D; ++d) s += qb[g * D + d] * load1(kr, d, fmt);
       scores[j] = s * a->scale;
       if (scores[j] > mx) mx = scores[j];
     }
@@ -48,8 +58,8 @@ static void task_scalar(const Args *a, int64_t qi, int64_t h, float *scores) {
     float *o = ob + g * Dv;
     memset(o, 0, sizeof(float) * (size_t)Dv);
     for (int64_t j = 0; j < n; ++j) {
-      const float *vr = a->v + h * a->v_head + sl[j] * a->v_row;
-      for (int64_t d = 0; d < Dv; ++d) o[d] += scores[j] * vr[d];
+      const void *vr = at(a->v, h * a->v_head + sl[j] * a->v_row, fmt);
+      for (int64_t d = 0; d < Dv; ++d) o[d] += scores[j] * load1(vr, d, fmt);
     }
     for (int64_t d = 0; d < Dv; ++d) o[d] /= sum;
     a->lse[(qi * a->heads + h) * G + g] = mx + logf(sum);
@@ -59,18 +69,18 @@ static void task_scalar(const Args *a, int64_t qi, int64_t h, float *scores) {
 #ifdef __AVX2__
 // ob[g, d0 : d0 + 8 NV] += sum over keys j0 <= i < j1 of p_gi v_i[d0 : d0 + 8 NV]; G and NV are
 // compile-time constants at every call, so the accumulators stay in registers
-static inline __attribute__((always_inline)) void value_pass(float *ob, const float *vb, const int64_t *sl,
+static inline __attribute__((always_inline)) void value_pass(float *ob, const void *vb, const int64_t *sl,
                                                             int64_t vr, const float *scores, int64_t L, int64_t j0,
                                                             int64_t j1, int64_t n, int64_t Dv, int64_t d0,
-                                                            const int G, const int NV) {
+                                                            const int G, const int NV, const int fmt) {
   __m256 acc[8][4];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NV; ++c) acc[g][c] = _mm256_loadu_ps(ob + g * Dv + d0 + 8 * c);
   for (int64_t i = j0; i < j1; ++i) {
-    const float *v0 = vb + sl[i] * vr + d0;
-    if (d0 == 0 && i + PREFETCH < n) prefetch_row(vb + sl[i + PREFETCH] * vr, Dv);
+    const void *v0 = at(vb, sl[i] * vr + d0, fmt);
+    if (d0 == 0 && i + PREFETCH < n) prefetch_row(at(vb, sl[i + PREFETCH] * vr, fmt), Dv * ELEM(fmt));
     __m256 y[4];
-    for (int c = 0; c < NV; ++c) y[c] = _mm256_loadu_ps(v0 + 8 * c);
+    for (int c = 0; c < NV; ++c) y[c] = load8(at(v0, 8 * c, fmt), fmt);
     for (int g = 0; g < G; ++g) {
       const __m256 p = _mm256_broadcast_ss(scores + g * L + i);
       for (int c = 0; c < NV; ++c) acc[g][c] = _mm256_fmadd_ps(p, y[c], acc[g][c]);
@@ -82,23 +92,24 @@ static inline __attribute__((always_inline)) void value_pass(float *ob, const fl
 
 // one (query, kv head) task with G known at compile time; needs D % 8 == 0 and Dv % 8 == 0
 static inline __attribute__((always_inline)) void task_vec(const Args *a, int64_t qi, int64_t h, float *scores,
-                                                          const int G) {
+                                                          const int G, const int fmt) {
   const int64_t D = a->dim, Dv = a->vdim, L = a->max_len, n = a->lens[qi];
   const int64_t *sl = a->slots + (a->rows ? a->rows[qi] : qi) * L;
   const float *qb = a->q + (qi * a->heads + h) * G * D;
-  const float *kb = a->k + h * a->k_head, *vb = a->v + h * a->v_head;
+  const void *kb = at(a->k, h * a->k_head, fmt), *vb = at(a->v, h * a->v_head, fmt);
   const int64_t kr = a->k_row, vr = a->v_row;
   // scores[g * L + j] = scale * q_g . k_j, four keys at a time
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
-    const float *k0 = kb + sl[j] * kr, *k1 = kb + sl[j + 1] * kr, *k2 = kb + sl[j + 2] * kr, *k3 = kb + sl[j + 3] * kr;
-    for (int64_t p = j + PREFETCH; p < j + PREFETCH + 4 && p < n; ++p) prefetch_row(kb + sl[p] * kr, D);
+    const void *k0 = at(kb, sl[j] * kr, fmt), *k1 = at(kb, sl[j + 1] * kr, fmt), *k2 = at(kb, sl[j + 2] * kr, fmt),
+               *k3 = at(kb, sl[j + 3] * kr, fmt);
+    for (int64_t p = j + PREFETCH; p < j + PREFETCH + 4 && p < n; ++p) prefetch_row(at(kb, sl[p] * kr, fmt), D * ELEM(fmt));
     __m256 acc[8][4];  // G <= 8; fixed size so it stays in registers
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-      const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d), x2 = _mm256_loadu_ps(k2 + d),
-                   x3 = _mm256_loadu_ps(k3 + d);
+      const __m256 x0 = load8(at(k0, d, fmt), fmt), x1 = load8(at(k1, d, fmt), fmt), x2 = load8(at(k2, d, fmt), fmt),
+                   x3 = load8(at(k3, d, fmt), fmt);
       for (int g = 0; g < G; ++g) {
         const __m256 qv = _mm256_loadu_ps(qb + g * D + d);
         acc[g][0] = _mm256_fmadd_ps(qv, x0, acc[g][0]);
@@ -111,11 +122,11 @@ static inline __attribute__((always_inline)) void task_vec(const Args *a, int64_
       for (int c = 0; c < 4; ++c) scores[g * L + j + c] = hsum(acc[g][c]) * a->scale;
   }
   for (; j < n; ++j) {
-    const float *k0 = kb + sl[j] * kr;
+    const void *k0 = at(kb, sl[j] * kr, fmt);
     __m256 acc[8];
     for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-      const __m256 x0 = _mm256_loadu_ps(k0 + d);
+      const __m256 x0 = load8(at(k0, d, fmt), fmt);
       for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qb + g * D + d), x0, acc[g]);
     }
     for (int g = 0; g < G; ++g) scores[g * L + j] = hsum(acc[g]) * a->scale;
@@ -150,8 +161,8 @@ static inline __attribute__((always_inline)) void task_vec(const Args *a, int64_
   for (int64_t j0 = 0; j0 < n; j0 += VBLOCK) {
     const int64_t j1 = j0 + VBLOCK < n ? j0 + VBLOCK : n;
     int64_t d0 = 0;
-    for (; d0 + 8 * NV <= Dv; d0 += 8 * NV) value_pass(ob, vb, sl, vr, scores, L, j0, j1, n, Dv, d0, G, NV);
-    for (; d0 < Dv; d0 += 8) value_pass(ob, vb, sl, vr, scores, L, j0, j1, n, Dv, d0, G, 1);
+    for (; d0 + 8 * NV <= Dv; d0 += 8 * NV) value_pass(ob, vb, sl, vr, scores, L, j0, j1, n, Dv, d0, G, NV, fmt);
+    for (; d0 < Dv; d0 += 8) value_pass(ob, vb, sl, vr, scores, L, j0, j1, n, Dv, d0, G, 1, fmt);
   }
   for (int g = 0; g < G; ++g) {
     const __m256 inv = _mm256_set1_ps(1.f / sums[g]);
@@ -161,36 +172,46 @@ static inline __attribute__((always_inline)) void task_vec(const Args *a, int64_
 }
 #endif
 
-static void run_task(const Args *a, int64_t t, float *scores) {
+// one task in storage format fmt (a compile-time constant at each call)
+static inline __attribute__((always_inline)) void run_task_fmt(const Args *a, int64_t t, float *scores,
+                                                              const int fmt) {
   const int64_t qi = t / a->heads, h = t % a->heads;
 #ifdef __AVX2__
   if (a->dim % 8 == 0 && a->vdim % 8 == 0) {
     switch (a->groups) {  // each case is task_vec specialised for its G
-      case 1: task_vec(a, qi, h, scores, 1); return;
-      case 2: task_vec(a, qi, h, scores, 2); return;
-      case 3: task_vec(a, qi, h, scores, 3); return;
-      case 4: task_vec(a, qi, h, scores, 4); return;
-      case 5: task_vec(a, qi, h, scores, 5); return;
-      case 6: task_vec(a, qi, h, scores, 6); return;
-      case 7: task_vec(a, qi, h, scores, 7); return;
-      case 8: task_vec(a, qi, h, scores, 8); return;
+      case 1: task_vec(a, qi, h, scores, 1, fmt); return;
+      case 2: task_vec(a, qi, h, scores, 2, fmt); return;
+      case 3: task_vec(a, qi, h, scores, 3, fmt); return;
+      case 4: task_vec(a, qi, h, scores, 4, fmt); return;
+      case 5: task_vec(a, qi, h, scores, 5, fmt); return;
+      case 6: task_vec(a, qi, h, scores, 6, fmt); return;
+      case 7: task_vec(a, qi, h, scores, 7, fmt); return;
+      case 8: task_vec(a, qi, h, scores, 8, fmt); return;
       default: break;
     }
   }
 #endif
-  task_scalar(a, qi, h, scores);
+  task_scalar(a, qi, h, scores, fmt);
 }
 
-// q [Nq, H, G, D]; k [H, S, D] and v [H, S, Dv] (slots k_row / v_row floats apart, heads k_head /
-// v_head; head-major pools put one head's consecutive slots in one contiguous run); slots [R, L];
+static void run_task(const Args *a, int64_t t, float *scores) {
+  switch (a->fmt) {
+    case FMT_BF16: run_task_fmt(a, t, scores, FMT_BF16); return;
+    case FMT_F16: run_task_fmt(a, t, scores, FMT_F16); return;
+    default: run_task_fmt(a, t, scores, FMT_F32); return;
+  }
+}
+
+// q [Nq, H, G, D]; k [H, S, D] and v [H, S, Dv] in format kv_fmt (slots k_row / v_row elements apart,
+// heads k_head / v_head; head-major pools put one head's consecutive slots in one contiguous run); slots [R, L];
 // rows [Nq] (query i reads slot row rows[i]; NULL: row i); lens [Nq] (>= 1 each);
 // out [Nq, H, G, Dv]; lse [Nq, H, G].
-void paged_attention(const float *q, const float *k, const float *v, const int64_t *slots, const int64_t *rows,
+void paged_attention(const float *q, const void *k, const void *v, const int64_t *slots, const int64_t *rows,
                      const int64_t *lens, float *out, float *lse, int64_t num_queries, int64_t heads,
                      int64_t groups, int64_t dim, int64_t vdim, int64_t max_len, int64_t k_row, int64_t v_row,
-                     int64_t k_head, int64_t v_head, float scale, int threads) {
+                     int64_t k_head, int64_t v_head, float scale, int kv_fmt, int threads) {
   const Args a = {q, k, v, slots, rows, lens, out, lse, heads, groups, dim, vdim, max_len, k_row, v_row, k_head,
-                  v_head, scale};
+                  v_head, scale, kv_fmt};
   const int64_t tasks = num_queries * heads;
   if (threads < 1) threads = 1;
   if (threads > tasks) threads = (int)tasks;

@@ -3,7 +3,7 @@
 from typing import Any
 
 __version__ = "0.1.0"
-_RUNTIME = {"Engine": "plait.runtime.engine", "ServerArgs": "plait.runtime.server_args"}
+_RUNTIME = {"Engine": "plait.runtime.entrypoints.engine", "ServerArgs": "plait.runtime.server_args"}
 
 
 def __getattr__(name: str) -> Any:

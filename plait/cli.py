@@ -24,7 +24,7 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--raw", action="store_true", help="send prompts as-is instead of through the chat template")
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(argv)
-    from plait.runtime.engine import Engine
+    from plait.runtime.entrypoints.engine import Engine
 
     args = ServerArgs.from_cli_args(ns)
     t0 = time.perf_counter()

@@ -7,7 +7,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from plait.runtime.http_server import launch_server
+    from plait.runtime.entrypoints.http_server import launch_server
     from plait.runtime.server_args import ServerArgs
 
     try:

@@ -22,7 +22,13 @@ class ServerArgs:
     )
     tokenizer_path: str | None = _arg(None, "tokenizer folder; default: from the model")
     skip_tokenizer_init: bool = _arg(False, "load no tokenizer (requests must give input_ids)")
-    dtype: str = _arg("auto", "weight and KV dtype", ["auto", "float32", "bfloat16", "float16"])
+    dtype: str = _arg("auto", "weight dtype (activations and arithmetic stay float32 on CPU); auto: measured "
+                      "fastest for this CPU (README: dtype)", ["auto", "float32", "bfloat16", "float16"])
+    kv_cache_dtype: str = _arg("auto", "KV cache dtype; auto: the weight dtype",
+                               ["auto", "float32", "bfloat16", "float16"])
+    enable_deterministic_inference: bool = _arg(
+        False, "batch-invariant kernels: the same request with the same seed gives the same tokens whatever shares "
+        "its batch and whether its prefix came from the cache (slower prefill; needs the C kernels)")
     device: str = _arg("auto", "compute device (the CUDA path is not built yet: auto means cpu)", ["auto", "cpu"])
     num_threads: int = _arg(0, "torch intra-op threads (0: torch's default)")
     disable_packed_weights: bool = _arg(
@@ -115,8 +121,10 @@ class ServerArgs:
         """A copy with every 'auto'/None default filled in (done once, at start-up)."""
         device = "cpu" if self.device == "auto" else self.device
         dtype = _best_cpu_dtype() if self.dtype == "auto" else self.dtype
+        kv_cache_dtype = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         return dataclasses.replace(
             self, model_path=self.model_path or default_model_path(), device=device, dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             api_key=self._resolved_api_key(), api_key_file=None,
         )
 
@@ -133,7 +141,7 @@ class ServerArgs:
         return os.environ.get("PLAIT_API_KEY") or None
 
     def host_list(self) -> list[str]:
-        from plait.runtime.http_guard import default_allowed_hosts
+        from plait.runtime.entrypoints.http_guard import default_allowed_hosts
 
         if self.allowed_hosts is None:
             return default_allowed_hosts(self.host)
@@ -189,13 +197,13 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 
 def _best_cpu_dtype() -> str:
-    # bf16 only pays off with native bf16 math (AVX512-BF16 / AMX); on plain AVX2 fp32 is faster.
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return "float32"
-    return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
+    """bfloat16 weights wherever the C kernels run: they halve the bytes a decode step reads, and the
+    many-row matmuls use a float32 (or, with native bf16 dot products, bfloat16) oneDNN copy, so
+    prefill is no slower. Without the kernels (PLAIT_CPU_ISA=ref, no compiler) torch would widen
+    every weight on every call: float32. The measurements behind this are in the README (Dtypes)."""
+    from plait.kernels import cpu_build
+
+    return "bfloat16" if cpu_build.c_kernels_possible() else "float32"
 
 
 def default_model_path() -> str:

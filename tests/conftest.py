@@ -29,7 +29,7 @@ def tokenizer(engine):
 @pytest.fixture(scope="session")
 def runner():
     """The default model in this process (no scheduler), for logits-level checks."""
-    from plait.runtime.model_runner import ModelRunner
+    from plait.runtime.model_executor.model_runner import ModelRunner
     from plait.runtime.server_args import ServerArgs
 
     args = ServerArgs(num_threads=THREADS, max_total_tokens=4096, dtype="float32", log_level="warning").resolved()

@@ -9,7 +9,7 @@ import dataclasses
 import msgspec
 import pytest
 
-from plait.runtime.io_struct import TokenizedGenerateReq
+from plait.runtime.managers.io_struct import TokenizedGenerateReq
 from plait.runtime.sampling import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler
 

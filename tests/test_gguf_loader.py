@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from plait.runtime.model_runner import ModelRunner, WorkItem
+from plait.runtime.model_executor.model_runner import ModelRunner, WorkItem
 from plait.runtime.server_args import ServerArgs
 
 from conftest import THREADS

@@ -8,7 +8,7 @@ import torch
 from plait.kernels import cpu_fused, cpu_isa
 from plait.kernels.cpu_attention import _library, paged_attention, paged_attention_ref
 from plait.kernels.cpu_linear import _library as linear_library
-from plait.kernels.cpu_linear import skinny_linear
+from plait.kernels.cpu_linear import block_bf16, linear_ref, skinny_linear
 
 
 C_KERNELS = cpu_isa.selected() != "ref"  # PLAIT_CPU_ISA=ref: only the torch references run
@@ -89,6 +89,79 @@ def test_skinny_linear_matches_f_linear(rows, out, inp, bias):
     b = torch.randn(out) if bias else None
     y = skinny_linear(x, w, b)
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,out,inp", [(1, 960, 576), (5, 9, 20), (32, 33, 31), (2, 49152, 64)])
+def test_skinny_linear_16bit_weights_match_reference(dtype, rows, out, inp):
+    """16-bit weights widen exactly, so the kernel agrees with float32 arithmetic on the widened weight."""
+    _expect_kernel(linear_library())
+    torch.manual_seed(rows + out)
+    x, w, b = torch.randn(rows, inp), torch.randn(out, inp).to(dtype), torch.randn(out)
+    torch.testing.assert_close(skinny_linear(x, w, b), linear_ref(x, w, b), atol=1e-4, rtol=1e-4)
+    blocked = block_bf16(w)
+    if dtype == torch.bfloat16 and C_KERNELS:
+        assert blocked is not None and blocked.shape == w.shape
+        torch.testing.assert_close(skinny_linear(x, w, b, blocked=blocked), linear_ref(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bfloat16-blocked"])
+def test_skinny_linear_is_batch_invariant(dtype):
+    """With batch_invariant, a row's output is bitwise the same alone, in any batch, on any thread count."""
+    if not C_KERNELS:
+        pytest.skip("PLAIT_CPU_ISA=ref: the torch reference makes no invariance promise")
+    torch.manual_seed(1)
+    blocked = dtype == "bfloat16-blocked"
+    x, w, b = torch.randn(130, 200), torch.randn(67, 200).to(torch.bfloat16 if blocked else dtype), torch.randn(67)
+    kw = {"batch_invariant": True, "blocked": block_bf16(w) if blocked else None}
+    alone = torch.cat([skinny_linear(x[i : i + 1], w, b, **kw) for i in range(x.shape[0])])
+    threads = torch.get_num_threads()
+    try:
+        for rows in (2, 3, 7, 48, 49, 130):
+            for n in {1, max(2, threads)}:
+                torch.set_num_threads(n)
+                assert torch.equal(skinny_linear(x[:rows], w, b, **kw), alone[:rows]), (rows, n)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(alone, linear_ref(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_attention_16bit_pool_matches_reference(dtype):
+    _expect_kernel(_library())
+    torch.manual_seed(3)
+    heads, groups, dim = 3, 3, 64
+    k, v = torch.randn(heads, 1024, dim).to(dtype), torch.randn(heads, 1024, dim).to(dtype)
+    slots = torch.randint(1, 1024, (6, 90))
+    lens = torch.tensor([1, 5, 90, 33, 64, 8])
+    q = torch.randn(6, heads, groups, dim)
+    out, lse = paged_attention(q, k, v, slots, lens, dim**-0.5)
+    ref_out, ref_lse = paged_attention_ref(q, k, v, slots, lens, dim**-0.5)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_is_batch_and_position_invariant():
+    """A query's output depends only on its keys: bitwise the same alone or in a batch, and an extend
+    token equals the decode step that sees the same keys."""
+    if not C_KERNELS:
+        pytest.skip("PLAIT_CPU_ISA=ref: the torch reference makes no invariance promise")
+    torch.manual_seed(4)
+    heads, groups, dim = 3, 3, 64
+    k, v = torch.randn(heads, 512, dim), torch.randn(heads, 512, dim)
+    slots = torch.randint(1, 512, (5, 70))
+    lens = torch.tensor([70, 3, 41, 64, 1])
+    q = torch.randn(5, heads, groups, dim)
+    batched, _ = paged_attention(q, k, v, slots, lens, dim**-0.5)
+    for i in range(5):
+        alone, _ = paged_attention(q[i : i + 1], k, v, slots[i : i + 1], lens[i : i + 1], dim**-0.5)
+        assert torch.equal(alone, batched[i : i + 1]), i
+    # request 0 as 70 extend tokens: token t sees t + 1 keys, like a decode step at that length
+    qe = torch.randn(70, heads, groups, dim)
+    ext, _ = paged_attention(qe, k, v, slots[:1], torch.arange(1, 71), dim**-0.5, torch.zeros(70, dtype=torch.int64))
+    for t in (0, 1, 31, 69):
+        dec, _ = paged_attention(qe[t : t + 1], k, v, slots[:1], torch.tensor([t + 1]), dim**-0.5)
+        assert torch.equal(dec, ext[t : t + 1]), t
 
 
 def test_skinny_linear_from_several_threads():
@@ -180,7 +253,7 @@ def test_every_isa_level_this_cpu_has_matches_the_references():
     for level in levels:
         env = {**os.environ, "PLAIT_CPU_ISA": level}
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k",
-                               "matches_reference or match_torch or matches_f_linear or c_bitmask or falls_back"],
+                               "matches_reference or match_torch or matches_f_linear or c_bitmask or falls_back or invariant or agree"],
                               env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
         assert proc.returncode == 0 and " passed" in proc.stdout, f"PLAIT_CPU_ISA={level}:\n{proc.stdout[-3000:]}"
 
@@ -203,3 +276,47 @@ def test_isa_level_is_checked_and_keys_the_cache(monkeypatch):
     assert len(set(built.values())) == len(built)  # one cached library per level
     assert all(lvl in path.name for lvl, path in built.items())
     assert "-march=native" not in cpu_build._FLAGS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_layer_paths_agree(dtype):
+    """The layer's three routes for a weight stored in `dtype`: the kernel (few rows), oneDNN on the
+    packed copy the CPU level picks (many rows), and oneDNN on a bf16 copy (the route of CPUs with
+    native bf16, runnable, if slower, on any)."""
+    from plait.runtime.layers.linear import linear, pack, packed_dtype
+
+    torch.manual_seed(5)
+    w, b = torch.randn(300, 96).to(dtype), torch.randn(300)
+    few, many = torch.randn(4, 96), torch.randn(70, 96)
+    torch.testing.assert_close(linear(few, w, b), linear_ref(few, w, b), atol=1e-4, rtol=1e-4)
+    packed = pack(w)
+    torch.testing.assert_close(linear(few, w, b, packed), linear_ref(few, w, b), atol=1e-4, rtol=1e-4)
+    if packed.onednn is None:
+        pytest.skip("no oneDNN in this torch build")
+    assert packed.onednn.dtype == packed_dtype(dtype)
+    assert (packed.kernel is not None) == (dtype == torch.bfloat16 and C_KERNELS)
+    if packed.onednn.dtype == torch.float32:
+        torch.testing.assert_close(linear(many, w, b, packed), linear_ref(many, w, b), atol=1e-4, rtol=1e-4)
+    if dtype == torch.bfloat16:
+        # activations rounded to bf16 on that route: agreement to bf16 precision
+        torch.testing.assert_close(linear(many, w, b, pack(w, torch.bfloat16)), linear_ref(many, w, b),
+                                   atol=0.1, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_store_matches_reference(dtype):
+    """RoPE on q and k with the K/V store, in one pass: q and the stored K/V equal the torch reference
+    (rounded the same way into a 16-bit pool)."""
+    _expect_kernel(cpu_fused._library())
+    torch.manual_seed(6)
+    heads, kv_heads, d, tokens = 9, 3, 64, 37
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d)
+    angles = torch.randn(tokens, d // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    slots = torch.randperm(200)[:tokens]
+    pools = [torch.zeros(kv_heads, 200, d, dtype=dtype) for _ in range(4)]
+    q = cpu_fused.rope_store(qkv, cos, sin, heads, kv_heads, pools[0], pools[1], slots)
+    q_ref = cpu_fused.rope_store_ref(qkv, cos, sin, heads, kv_heads, pools[2], pools[3], slots)
+    torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pools[0].float(), pools[2].float(), atol=1e-5, rtol=1e-2 if dtype != torch.float32 else 1e-5)
+    assert torch.equal(pools[1], pools[3])  # v is stored unchanged (same rounding)

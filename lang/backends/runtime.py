@@ -22,7 +22,7 @@ class Runtime(Backend):
     processes of this one. `shutdown()` stops them."""
 
     def __init__(self, model_path: str | None = None, **server_args):
-        from plait.runtime.engine import Engine
+        from plait.runtime.entrypoints.engine import Engine
 
         self.engine = Engine(model_path, **server_args)
         self.tokenizer = self.engine.tokenizer

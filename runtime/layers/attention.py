@@ -4,7 +4,10 @@ Every query token reads its keys in place through its request's slot row
 (plait.kernels.cpu_attention, a C kernel with a torch reference): a decode token sees the whole
 row, an extend token the keys up to its own position. Grouped-query heads are folded into the
 query axis so K/V are never repeated per query head. Shared prefixes take the cascade path (read
-once per batch).
+once per batch). The pool may store K/V narrower than the queries (bfloat16 under float32): every
+path then attends to the stored values, so a token's keys are the same whether they were just
+computed or come from the cache. A batch-invariant batch reads every key through the C kernel,
+whose result for a query depends on its keys alone.
 """
 
 from __future__ import annotations
@@ -14,34 +17,41 @@ import torch.nn.functional as F
 
 from plait.kernels import cpu_attention
 from plait.radix_cache.memory_pool import KVPool
-from plait.runtime.forward_batch import AttnGroup, ForwardBatch
+from plait.runtime.model_executor.forward_batch import AttnGroup, ForwardBatch
 
 
 def paged_attention(
-    fb: ForwardBatch, layer: int, pool: KVPool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    fb: ForwardBatch, layer: int, pool: KVPool, q: torch.Tensor, scale: float, k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D] (this batch's new tokens). Returns [T, Hq * D]."""
-    pool.write(layer, fb.out_slots, k, v)
+    """q: [T, Hq, D]; k, v: [T, Hkv, D], this batch's new tokens, written to the pool first (None:
+    already written, e.g. by cpu_fused.rope_store). Returns [T, Hq * D]."""
+    if k is not None:
+        pool.write(layer, fb.out_slots, k, v)
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in (fb.extend, fb.decode):
         if group is not None:
             sl = slice(group.start, group.start + group.num_tokens)
-            out[sl] = _group_attention(group, pool, layer, q[sl], k[sl], v[sl], scale)
+            out[sl] = _group_attention(group, pool, layer, q[sl], fb.out_slots[sl], scale, fb.batch_invariant)
     return out
 
 
 def _group_attention(
-    g: AttnGroup, pool: KVPool, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, scale: float
+    g: AttnGroup, pool: KVPool, layer: int, q: torch.Tensor, new_slots: torch.Tensor, scale: float,
+    batch_invariant: bool,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_kv = pool.k[layer].shape[0]
     per_kv = num_heads // num_kv
-    if g.q_req is not None and g.kv_slots.shape[0] == 1 and g.kv_slots.shape[1] == num_tokens:
+    fresh = g.q_req is not None and g.kv_slots.shape[0] == 1 and g.kv_slots.shape[1] == num_tokens
+    if fresh and not batch_invariant:
         # one request with nothing cached: causal attention on the fresh K/V, no gather
         qh = q.view(num_tokens, num_kv, per_kv, head_dim).permute(1, 2, 0, 3)
-        o = F.scaled_dot_product_attention(qh, k_new.transpose(0, 1).unsqueeze(1),
-                                           v_new.transpose(0, 1).unsqueeze(1), is_causal=True, scale=scale)
+        # the K/V as stored (rounded to the pool's dtype), like every later reader sees them
+        k_new = pool.k[layer].index_select(1, new_slots).to(q.dtype).unsqueeze(1)
+        v_new = pool.v[layer].index_select(1, new_slots).to(q.dtype).unsqueeze(1)
+        o = F.scaled_dot_product_attention(qh, k_new, v_new, is_causal=True, scale=scale)
         return o.permute(2, 0, 1, 3).reshape(num_tokens, num_heads * head_dim)
     if g.prefix_slots is None:
         return _own_keys(g, pool, layer, q, scale, with_lse=False).reshape(num_tokens, num_heads * head_dim)
@@ -70,8 +80,8 @@ def _shared_prefix(g: AttnGroup, pool: KVPool, layer: int, q: torch.Tensor, scal
     num_tokens, num_heads, head_dim = q.shape
     num_kv = pool.k[layer].shape[0]
     per_kv = num_heads // num_kv
-    kp = pool.k[layer].index_select(1, g.prefix_slots).unsqueeze(0)  # [1, Hkv, P, D]
-    vp = pool.v[layer].index_select(1, g.prefix_slots).unsqueeze(0)
+    kp = pool.k[layer].index_select(1, g.prefix_slots).unsqueeze(0).to(q.dtype)  # [1, Hkv, P, D]
+    vp = pool.v[layer].index_select(1, g.prefix_slots).unsqueeze(0).to(q.dtype)
     qp = q.view(num_tokens, num_kv, per_kv, head_dim).permute(1, 0, 2, 3).reshape(1, num_kv, -1, head_dim)
     out, lse = cpu_attention.attention_with_lse(qp, kp, vp, None, scale)
     out = out.view(num_kv, num_tokens, per_kv, head_dim).permute(1, 0, 2, 3)

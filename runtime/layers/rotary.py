@@ -36,12 +36,12 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for a batch's positions, shaped [T, 1, D] (gathered once per batch, not per layer)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos, sin for a batch's positions, shaped [T, D] (gathered once per batch, not per layer)."""
+        return self.cos[positions], self.sin[positions]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D] (q and k heads side by side are fine) -> rotated copy."""
+    """x: [T, H, D] (q and k heads side by side are fine), cos/sin [T, 1, D] -> rotated copy."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return torch.addcmul(x * cos, rotated, sin)

@@ -20,7 +20,7 @@ import torch
 from plait.runtime.constrained import GrammarCache, GrammarError, create_backend
 from plait.runtime.constrained.bitmask import allocate_bitmask, apply_token_bitmask_
 from plait.runtime.constrained.jump_forward import accepted_prefix, plan_draft
-from plait.runtime.io_struct import FinishReason
+from plait.runtime.managers.io_struct import FinishReason
 from plait.runtime.sampling import SampleRow, sample
 from plait.runtime.scheduler.req import Req
 from plait.runtime.server_args import ServerArgs

@@ -16,7 +16,7 @@ import traceback
 import msgspec
 import zmq
 
-from plait.runtime.io_struct import (
+from plait.runtime.managers.io_struct import (
     AbortReq,
     BatchTokenOut,
     ControlReply,
@@ -28,7 +28,7 @@ from plait.runtime.io_struct import (
     TokenOut,
     ToScheduler,
 )
-from plait.runtime.ipc import Addresses, BadMessage, Receiver, Sender, die_with_parent, parent_alive
+from plait.runtime.managers.ipc import Addresses, BadMessage, Receiver, Sender, die_with_parent, parent_alive
 from plait.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready) -> None:
     ppid = os.getppid()
     logging.basicConfig(level=args.log_level.upper(), format="[plait scheduler %(asctime)s] %(message)s")
     try:
-        from plait.runtime.model_runner import ModelRunner
+        from plait.runtime.model_executor.model_runner import ModelRunner
         from plait.runtime.scheduler.scheduler import Scheduler
 
         ctx = zmq.Context()

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from plait.runtime.io_struct import FinishReason, TokenizedGenerateReq
+from plait.runtime.managers.io_struct import FinishReason, TokenizedGenerateReq
 from plait.runtime.sampling.params import SamplingParams
 
 

@@ -19,9 +19,9 @@ from typing import Callable, Iterator
 import torch
 
 from plait.radix_cache.radix_cache import common_prefix_len
-from plait.runtime.io_struct import AbortReq, DecodeSpec, FinishReason, TokenizedGenerateReq, TokenOut
-from plait.runtime.limits import RuntimeLimits, validate_request
-from plait.runtime.model_runner import ModelRunner, WorkItem
+from plait.runtime.managers.io_struct import AbortReq, DecodeSpec, FinishReason, TokenizedGenerateReq, TokenOut
+from plait.runtime.managers.limits import RuntimeLimits, validate_request
+from plait.runtime.model_executor.model_runner import ModelRunner, WorkItem
 from plait.runtime.sampling import SampleRow, sample
 from plait.runtime.sampling.sampler import SampleResult
 from plait.runtime.scheduler.grammar_manager import GrammarManager, Masks

@@ -19,7 +19,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from plait.runtime.io_struct import (
+from plait.runtime.managers.io_struct import (
     AbortReq,
     BatchStrOut,
     ControlReply,
@@ -31,8 +31,8 @@ from plait.runtime.io_struct import (
     TokenizedGenerateReq,
     ToClient,
 )
-from plait.runtime.launcher import RuntimeProcesses
-from plait.runtime.limits import check_json_value, check_request_work, validate_request
+from plait.runtime.managers.launcher import RuntimeProcesses
+from plait.runtime.managers.limits import check_json_value, check_request_work, validate_request
 from plait.runtime.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)

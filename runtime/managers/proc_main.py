@@ -1,4 +1,4 @@
-"""Entry point of the runtime's child processes: `python -m plait.runtime.proc_main NAME FD`.
+"""Entry point of the runtime's child processes: `python -m plait.runtime.managers.proc_main NAME FD`.
 
 The launcher starts a fresh interpreter (no fork of a threaded parent, no re-import of the
 user's main module as multiprocessing's spawn would do), writes the configuration as one JSON
@@ -30,7 +30,7 @@ class ReadyPipe:
 def main() -> None:
     name, fd = sys.argv[1], int(sys.argv[2])
     config = json.loads(sys.stdin.readline())
-    from plait.runtime.ipc import Addresses
+    from plait.runtime.managers.ipc import Addresses
     from plait.runtime.server_args import ServerArgs
 
     args = ServerArgs(**config["args"])
@@ -41,7 +41,7 @@ def main() -> None:
 
         run_scheduler_process(args, addrs, ready)
     elif name == "detokenizer":
-        from plait.runtime.detokenizer import run_detokenizer_process
+        from plait.runtime.managers.detokenizer import run_detokenizer_process
 
         run_detokenizer_process(args, addrs, ready)
     else:

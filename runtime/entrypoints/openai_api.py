@@ -16,13 +16,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from plait.runtime.http_server import HTTPError, ServerState, first_or_disconnect, read_json, sse, validation_message
-from plait.runtime.io_struct import TokenizedGenerateReq
-from plait.runtime.limits import validate_request
-from plait.runtime.openai_protocol import ChatCompletionRequest, CompletionRequest
+from plait.runtime.entrypoints.http_server import HTTPError, ServerState, first_or_disconnect, read_json, sse, validation_message
+from plait.runtime.managers.io_struct import TokenizedGenerateReq
+from plait.runtime.managers.limits import validate_request
+from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from plait.runtime.sampling import SamplingParams
-from plait.runtime.tokenizer_manager import ReqState, RuntimeClient
-from plait.runtime.tool_calls import (parse_constrained, parse_free, template_renders_tools, tool_call_schema,
+from plait.runtime.managers.runtime_client import ReqState, RuntimeClient
+from plait.runtime.entrypoints.tool_calls import (parse_constrained, parse_free, template_renders_tools, tool_call_schema,
                                       tools_system_prompt)
 
 

@@ -53,6 +53,9 @@ class ForwardBatch:
     extend: AttnGroup | None
     decode: AttnGroup | None
     logits_rows: torch.Tensor  # flat token indices whose logits are computed
+    # every kernel sums in an order fixed per row (--enable-deterministic-inference): a row's result
+    # is then the same whatever shares its batch and wherever its cached prefix ends
+    batch_invariant: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -80,15 +83,17 @@ def build_group(
     kv_slot_rows: torch.Tensor,
     kv_lens: torch.Tensor,
     q_lens: torch.Tensor,
+    cascade: bool = True,
 ) -> AttnGroup:
     """Attention metadata for requests whose keys are kv_slot_rows[b, :kv_lens[b]]
-    and whose queries are their last q_lens[b] positions."""
+    and whose queries are their last q_lens[b] positions. `cascade` allows a shared prefix to be
+    split off (its result then depends on the batch: off for batch invariance)."""
     batch = kv_lens.numel()
     kv_max = int(kv_lens.max())
     q_max = int(q_lens.max())
     kv_slots = kv_slot_rows[:, :kv_max]
     prefix_slots = None
-    if batch >= 2:
+    if batch >= 2 and cascade:
         # the prefix must precede every query of every request (no causal cut inside it)
         shared = min(_shared_prefix_len(kv_slots, kv_lens), int((kv_lens - q_lens).min()))
         if shared >= _CASCADE_MIN_PREFIX:

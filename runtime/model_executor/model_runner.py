@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from plait.radix_cache.memory_pool import KVAllocator, KVPool, ReqToTokenPool
-from plait.runtime.forward_batch import ForwardBatch, ForwardMode, build_group
+from plait.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode, build_group
 from plait.runtime.model_loader import load_model
 from plait.runtime.server_args import ServerArgs
 
@@ -35,6 +35,10 @@ class ModelRunner:
             torch.set_num_threads(args.num_threads)
         self.args = args
         self.dtype = _DTYPES[args.dtype]
+        self.kv_dtype = _DTYPES[args.kv_cache_dtype if args.kv_cache_dtype != "auto" else args.dtype]
+        self.batch_invariant = args.enable_deterministic_inference
+        if self.batch_invariant:
+            _check_batch_invariant_kernels()
         loaded = load_model(args.model_path, self.dtype, args.context_length, args.tokenizer_path, progress,
                             load_tokenizer=not args.skip_tokenizer_init)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
@@ -44,7 +48,7 @@ class ModelRunner:
         cfg = self.config
         num_slots = args.max_total_tokens or self._auto_kv_tokens()
         num_slots = max(num_slots, 2 * args.page_size)
-        self.kv_pool = KVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+        self.kv_pool = KVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype,
                               padding_slots=args.page_size)
         self.allocator = KVAllocator(num_slots, args.page_size)
         # a few spare rows: retracted and chunked requests hold rows beside the running ones
@@ -53,11 +57,12 @@ class ModelRunner:
         from plait.kernels.cpu_build import loaded_kernels
 
         self.kernels = loaded_kernels()
-        logger.info("dtype %s; CPU kernels: %s", args.dtype, ", ".join(f"{k} {v}" for k, v in self.kernels.items()))
+        logger.info("dtype %s, KV %s%s; CPU kernels: %s", args.dtype, self.kv_dtype, ", batch-invariant" *
+                    self.batch_invariant, ", ".join(f"{k} {v}" for k, v in self.kernels.items()))
 
     def _kv_bytes(self, tokens: int) -> int:
         cfg = self.config
-        return tokens * KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        return tokens * KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
 
     def _auto_kv_tokens(self) -> int:
         try:
@@ -102,7 +107,7 @@ class ModelRunner:
             kv_lens = torch.tensor([items[i].cached_len + len(items[i].tokens) for i in indices])
             q_lens = torch.tensor([len(items[i].tokens) for i in indices])
             kv_max = int(kv_lens.max())
-            return build_group(first, table[:, :kv_max][rows], kv_lens, q_lens)
+            return build_group(first, table[:, :kv_max][rows], kv_lens, q_lens, cascade=not self.batch_invariant)
 
         ext_group = group(ext, 0)
         dec_group = group(dec, ext_group.num_tokens if ext_group else 0)
@@ -115,9 +120,19 @@ class ModelRunner:
             extend=ext_group,
             decode=dec_group,
             logits_rows=torch.tensor(logit_rows, dtype=torch.int64),
+            batch_invariant=self.batch_invariant,
         )
         # logits come out grouped; a stable sort by item index restores the callers' order
         order = None
         if ext and dec and item_of_row:
             order = torch.argsort(torch.tensor(item_of_row), stable=True)
         return fb, order
+
+
+def _check_batch_invariant_kernels() -> None:
+    """Batch invariance rests on the C matmul and attention kernels (the torch references promise none)."""
+    from plait.kernels import cpu_attention, cpu_linear
+
+    if cpu_linear._library() is None or cpu_attention._library() is None:
+        raise RuntimeError("--enable-deterministic-inference needs the C kernels (a C compiler, and PLAIT_CPU_ISA "
+                           "not 'ref', PLAIT_DISABLE_C_KERNELS unset)")

@@ -85,8 +85,8 @@ def run_detokenizer_process(args, addrs, ready) -> None:
     import msgspec
     import zmq
 
-    from plait.runtime.io_struct import BatchStrOut, BatchTokenOut, FinishReason, StrOut, ToDetokenizer
-    from plait.runtime.ipc import BadMessage, Receiver, Sender, die_with_parent, parent_alive
+    from plait.runtime.managers.io_struct import BatchStrOut, BatchTokenOut, FinishReason, StrOut, ToDetokenizer
+    from plait.runtime.managers.ipc import BadMessage, Receiver, Sender, die_with_parent, parent_alive
 
     die_with_parent(addrs.root)
     ppid = os.getppid()
@@ -143,7 +143,7 @@ def run_detokenizer_process(args, addrs, ready) -> None:
 
 def _detokenize(decoders: dict[str, IncrementalDecoder], tokenizer, o) -> str:
     """The newly visible text of one request's output."""
-    from plait.runtime.io_struct import DecodeSpec
+    from plait.runtime.managers.io_struct import DecodeSpec
 
     dec = decoders.get(o.rid)
     if dec is None:

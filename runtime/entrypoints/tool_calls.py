@@ -14,7 +14,7 @@ import re
 import uuid
 from typing import Any
 
-from plait.runtime.openai_protocol import Tool
+from plait.runtime.entrypoints.openai_protocol import Tool
 
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 

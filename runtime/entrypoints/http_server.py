@@ -22,10 +22,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from plait.runtime.http_guard import BodyError, Guard, error_body, parse_json_body
-from plait.runtime.launcher import RuntimeProcesses
+from plait.runtime.entrypoints.http_guard import BodyError, Guard, error_body, parse_json_body
+from plait.runtime.managers.launcher import RuntimeProcesses
 from plait.runtime.server_args import ServerArgs
-from plait.runtime.tokenizer_manager import GenerateInput, QueueFull, RequestFailed, RuntimeClient, RuntimeDead
+from plait.runtime.managers.runtime_client import GenerateInput, QueueFull, RequestFailed, RuntimeClient, RuntimeDead
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def create_app(state: ServerState) -> FastAPI:
         async def metrics():
             return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    from plait.runtime.openai_api import add_openai_routes
+    from plait.runtime.entrypoints.openai_api import add_openai_routes
 
     add_openai_routes(app, state)
 
@@ -212,7 +212,7 @@ def create_app(state: ServerState) -> FastAPI:
         if app.openapi_schema is None:
             from fastapi.openapi.utils import get_openapi
 
-            from plait.runtime.openai_api import openapi_components
+            from plait.runtime.entrypoints.openai_api import openapi_components
 
             schema = get_openapi(title=app.title, version=_version(), routes=app.routes)
             schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components())
@@ -315,8 +315,8 @@ def launch_server(args: ServerArgs) -> int:
     """Start the runtime and serve until SIGINT/SIGTERM (exit 0) or a runtime process dies (exit 1)."""
     import uvicorn
 
-    from plait.runtime.launcher import launch_runtime
-    from plait.runtime.metrics import Metrics
+    from plait.runtime.managers.launcher import launch_runtime
+    from plait.runtime.managers.metrics import Metrics
 
     args = args.resolved()
     logging.basicConfig(level=args.log_level.upper(), format="[plait %(asctime)s] %(message)s")

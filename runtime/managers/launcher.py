@@ -1,6 +1,6 @@
 """Start the runtime's child processes (scheduler, detokenizer) and wait until they are ready.
 
-Each child is a fresh interpreter (`python -m plait.runtime.proc_main`): no fork of a threaded
+Each child is a fresh interpreter (`python -m plait.runtime.managers.proc_main`): no fork of a threaded
 parent, and no re-import of the user's main module (so scripts need no `__main__` guard). It
 gets its configuration as JSON on stdin, gets SIGKILL when the parent dies, and reports
 readiness or its start-up traceback as one JSON line on a pipe.
@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from plait.runtime.ipc import Addresses, remove_dir
-from plait.runtime.limits import RuntimeLimits
+from plait.runtime.managers.ipc import Addresses, remove_dir
+from plait.runtime.managers.limits import RuntimeLimits
 from plait.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def launch_runtime(args: ServerArgs) -> RuntimeProcesses:
     try:
         for name in ("scheduler", "detokenizer"):
             r, w = os.pipe()
-            proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.proc_main", name, str(w)],
+            proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.managers.proc_main", name, str(w)],
                                     stdin=subprocess.PIPE, pass_fds=(w,))
             os.close(w)  # the child holds the only writer: EOF here means it died
             proc.stdin.write(config.encode())

@@ -1,0 +1,1 @@
+"""HTTP server (native API), OpenAI API and protocol, Engine (the in-process API)."""

@@ -1,0 +1,1 @@
+"""Model runner and forward batch: what one forward computes and how it runs."""
