@@ -320,3 +320,15 @@ def test_rope_store_matches_reference(dtype):
     torch.testing.assert_close(q, q_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pools[0].float(), pools[2].float(), atol=1e-5, rtol=1e-2 if dtype != torch.float32 else 1e-5)
     assert torch.equal(pools[1], pools[3])  # v is stored unchanged (same rounding)
+
+
+
+def test_every_kernel_compiles_at_every_level():
+    """Levels this CPU lacks cannot be run here, but their builds must still compile (never loaded)."""
+    from plait.kernels import cpu_build, cpu_isa
+
+    if not cpu_isa._is_x86() or cpu_build._compiler() is None:
+        pytest.skip("needs an x86 C compiler")
+    for source in sorted(cpu_build.Path(cpu_build.__file__).parent.glob("*.c")):
+        for level in cpu_isa.LEVELS[1:]:
+            assert cpu_build._build(source, level).exists(), (source.name, level)
