@@ -17,12 +17,14 @@ from conftest import THREADS
 
 @pytest.fixture(scope="module", params=["runtime", "endpoint"])
 def backend(request):
+    # batch-invariant kernels: programs are compared with the same prompts sent alone, in any dtype
     if request.param == "runtime":
-        rt = pl.Runtime(num_threads=THREADS, max_total_tokens=16384, dtype="float32", log_level="warning")
+        rt = pl.Runtime(num_threads=THREADS, max_total_tokens=16384, enable_deterministic_inference=True,
+                        log_level="warning")
         yield rt
         rt.shutdown()
     else:
-        srv = Server("--max-total-tokens", "16384")
+        srv = Server("--max-total-tokens", "16384", "--enable-deterministic-inference")
         ep = pl.RuntimeEndpoint(srv.url)
         yield ep
         ep.shutdown()

@@ -104,12 +104,16 @@ def test_info_endpoints(http, server):
     for path in ("/server_info", "/get_server_info"):
         si = http.get(path).json()
         assert si["max_running_requests"] == 16 and "api_key" not in si and si["kv_capacity"] > 0
-        # the dtype and what serves each CPU kernel: C built for the detected level, or the torch reference
-        from plait.kernels import cpu_isa
+        # the dtypes and what serves each CPU kernel: C built for the selected level (PLAIT_CPU_ISA or the
+        # best the CPU has), or the torch reference
+        from plait.kernels import cpu_build, cpu_isa
 
-        assert si["dtype"] in ("float32", "bfloat16") and si["kernels"]["cpu_isa"] == cpu_isa.detect()
+        level = cpu_isa.selected()
+        expected_dtype = "bfloat16" if cpu_build.c_kernels_possible() else "float32"
+        assert si["dtype"] == si["kv_cache_dtype"] == expected_dtype and si["enable_deterministic_inference"]
+        assert si["kernels"]["cpu_isa"] == level
         assert set(si["kernels"]) >= {"skinny_linear", "paged_attention", "fused_ops", "token_bitmask"}
-        assert all(v in ("torch", f"c/{cpu_isa.detect()}") for k, v in si["kernels"].items() if k != "cpu_isa")
+        assert all(v == ("torch" if level == "ref" else f"c/{level}") for k, v in si["kernels"].items() if k != "cpu_isa")
     assert http.get("/health").status_code == 200
     assert http.get("/health_generate").status_code == 200
     assert http.post("/concate_and_append_request", json={"src_rids": ["a"], "dst_rid": "b"}).status_code == 200
