@@ -46,9 +46,9 @@ def _group_attention(
     per_kv = num_heads // num_kv
     fresh = g.q_req is not None and g.kv_slots.shape[0] == 1 and g.kv_slots.shape[1] == num_tokens
     if fresh and not batch_invariant:
-        # one request with nothing cached: causal attention on the fresh K/V, no gather
+        # one request with nothing cached: causal SDPA over its new K/V, read back as stored (rounded to
+        # the pool's dtype) so they are the keys every later step of this request sees
         qh = q.view(num_tokens, num_kv, per_kv, head_dim).permute(1, 2, 0, 3)
-        # the K/V as stored (rounded to the pool's dtype), like every later reader sees them
         k_new = pool.k[layer].index_select(1, new_slots).to(q.dtype).unsqueeze(1)
         v_new = pool.v[layer].index_select(1, new_slots).to(q.dtype).unsqueeze(1)
         o = F.scaled_dot_product_attention(qh, k_new, v_new, is_causal=True, scale=scale)
