@@ -15,8 +15,7 @@ import functools
 
 import torch
 
-from plait.kernels.cpu_build import F32, I64, INT, PTR, load_library
-from plait.kernels.cpu_linear import FORMATS
+from plait.kernels.cpu_build import F32, FORMATS, I64, INT, PTR, load_library
 
 _MIN_ROWS_PER_THREAD = 2048
 _REF_CHUNK = 64

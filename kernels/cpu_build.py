@@ -19,6 +19,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from plait.kernels import cpu_isa
 
 logger = logging.getLogger(__name__)
@@ -30,15 +32,18 @@ _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # argument types of the kernels' C signatures
 PTR, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
+# storage formats the kernels' format arguments name (kernels/simd_cvt.h), by torch dtype
+FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
 
 def load_library(name: str, **signatures: tuple) -> ctypes.CDLL | None:
     """`kernels/<name>.c` built for the selected ISA level as a loaded library, or None where it
     cannot be built (or the level is `ref`). Each keyword names one of its functions (all return
     void) with its argument types. Callers cache the result."""
-    level = cpu_isa.selected()
-    if os.environ.get("PLAIT_DISABLE_C_KERNELS") or level == "ref":
+    if _disabled():
         _LOADED[name] = "torch"
         return None
+    level = cpu_isa.selected()
     try:
         lib = ctypes.CDLL(str(_build(Path(__file__).with_name(f"{name}.c"), level)))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
@@ -55,8 +60,12 @@ def load_library(name: str, **signatures: tuple) -> ctypes.CDLL | None:
 def c_kernels_possible() -> bool:
     """Whether the C kernels can run here (a compiler, a level other than `ref`, not disabled), without
     building anything."""
-    return (not os.environ.get("PLAIT_DISABLE_C_KERNELS") and cpu_isa.selected() != "ref"
-            and _compiler() is not None)
+    return not _disabled() and _compiler() is not None
+
+
+def _disabled() -> bool:
+    """C kernels turned off: PLAIT_DISABLE_C_KERNELS, or the `ref` level."""
+    return bool(os.environ.get("PLAIT_DISABLE_C_KERNELS")) or cpu_isa.selected() == "ref"
 
 
 # kernel name -> what serves it ("c/<level>" or "torch"), for the start-up log and /server_info

@@ -11,7 +11,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from plait.kernels.cpu_build import F32, I64, INT, PTR, load_library
+from plait.kernels.cpu_build import F32, FORMATS, I64, INT, PTR, load_library
 
 
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,7 +48,7 @@ def rope_store_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     return rotate(q)
 
 
-_STORE_FORMATS = {torch.float32: 0, torch.bfloat16: 1}
+_STORE_FORMATS = {dtype: FORMATS[dtype] for dtype in (torch.float32, torch.bfloat16)}  # pools rope_store writes
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,

@@ -16,13 +16,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from plait.kernels.cpu_build import I64, INT, PTR, load_library
+from plait.kernels.cpu_build import FORMATS, I64, INT, PTR, load_library
 
 MAX_ROWS = 32  # crossover against F.linear measured by benchmarks/bench_linear.py on AVX2
 
-# storage formats the C kernels take (kernels/simd_cvt.h)
-FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_BF16_BLOCKED = 3
+_BF16_BLOCKED = 3  # FMT_BF16_BLOCKED of kernels/simd_cvt.h
 _BLOCK_ROWS, _BLOCK_COLS = 4, 16
 
 
@@ -53,7 +51,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     if (lib is None or x.dim() != 2 or (x.shape[0] > MAX_ROWS and not batch_invariant) or x.device.type != "cpu"
             or x.dtype != torch.float32 or w.dtype not in FORMATS or not w.is_contiguous()
             or (b is not None and (b.dtype != torch.float32 or not b.is_contiguous()))):
-        return F.linear(x, w, b) if w.dtype == x.dtype else linear_ref(x, w, b)
+        return linear_ref(x, w, b)
     x = x.contiguous()
     rows, cols = x.shape[0], w.shape[0]
     y = torch.empty(rows, cols, dtype=torch.float32)

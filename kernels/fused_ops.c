@@ -4,7 +4,6 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#include <string.h>
 #include "simd.h"
 #include "simd_cvt.h"
 
@@ -75,15 +74,6 @@ void silu_mul(const float *gu, float *out, int64_t rows, int64_t n, int threads)
 #endif
     for (; i < n; ++i) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
   }
-}
-
-// float32 -> bfloat16, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN
-static inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
 }
 
 // x rotated by rotate-half RoPE: out[i] = x[i] cos[i] - x[i + D/2] sin[i], out[i + D/2] = x[i + D/2] cos[i + D/2]

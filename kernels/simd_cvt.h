@@ -16,6 +16,15 @@ static inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
+// float32 -> bfloat16, round to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
 // IEEE half to float, portable (subnormals, inf and NaN included)
 static inline float f16_to_f32(uint16_t h) {
   const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;

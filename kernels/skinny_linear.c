@@ -99,17 +99,11 @@ static inline __attribute__((always_inline)) void widen(const uint16_t *p, __m25
   *odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-static inline float tail_dot(const float *x, const uint16_t *w, int64_t n) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += x[i] * bf16_to_f32(w[i]);
-  return s;
-}
-
 static void run_rows_bf16(const Job *j, const float *xp, int64_t begin, int64_t end, int64_t m0, int64_t m1) {
   const int64_t K = j->k, k16 = K & ~(int64_t)15, kt = K - k16;
   const uint16_t *w = (const uint16_t *)j->w;
   int64_t n = begin;
-  for (; n + 4 <= end && n + 4 <= j->n / 4 * 4; n += 4) {
+  for (; n + 4 <= end; n += 4) {
     const uint16_t *blk = w + n * K, *tails = blk + 4 * k16;
     int64_t m = m0;
     for (; m + 2 <= m1; m += 2) {
@@ -130,7 +124,8 @@ static void run_rows_bf16(const Job *j, const float *xp, int64_t begin, int64_t 
       }
       for (int r = 0; r < 2; ++r)
         for (int c = 0; c < 4; ++c)
-          store(j, m + r, n + c, hsum(a[r][c]) + tail_dot(j->x + (m + r) * K + k16, tails + c * kt, kt));
+          store(j, m + r, n + c,
+                hsum(a[r][c]) + dot_tail(j->x + (m + r) * K + k16, tails + c * kt, 0, kt, FMT_BF16));
     }
     for (; m < m1; ++m) {
       const float *p0 = xp + m * K;
@@ -145,11 +140,12 @@ static void run_rows_bf16(const Job *j, const float *xp, int64_t begin, int64_t 
           a[c] = _mm256_fmadd_ps(wo, o0, _mm256_fmadd_ps(we, e0, a[c]));
         }
       }
-      for (int c = 0; c < 4; ++c) store(j, m, n + c, hsum(a[c]) + tail_dot(j->x + m * K + k16, tails + c * kt, kt));
+      for (int c = 0; c < 4; ++c)
+        store(j, m, n + c, hsum(a[c]) + dot_tail(j->x + m * K + k16, tails + c * kt, 0, kt, FMT_BF16));
     }
   }
   for (; n < end; ++n)  // plain rows past the last whole block
-    for (int64_t m = m0; m < m1; ++m) store(j, m, n, tail_dot(j->x + m * K, w + n * K, K));
+    for (int64_t m = m0; m < m1; ++m) store(j, m, n, dot_tail(j->x + m * K, w + n * K, 0, K, FMT_BF16));
 }
 
 // x [M, K] -> xp: within each 16-block of a row, its even elements then its odd ones (the tail as is)

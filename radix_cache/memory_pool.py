@@ -116,12 +116,6 @@ class KVPool:
         for buf in self.k + self.v:
             buf[:, :padding_slots].zero_()
         self.num_slots = num_slots
-        self.dtype = dtype
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [T, num_kv_heads, D] for the T slots (rounded to the pool's dtype)."""
-        self.k[layer].index_copy_(1, slots, k.transpose(0, 1).to(self.dtype))
-        self.v[layer].index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

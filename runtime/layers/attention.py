@@ -20,14 +20,8 @@ from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.model_executor.forward_batch import AttnGroup, ForwardBatch
 
 
-def paged_attention(
-    fb: ForwardBatch, layer: int, pool: KVPool, q: torch.Tensor, scale: float, k: torch.Tensor | None = None,
-    v: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D], this batch's new tokens, written to the pool first (None:
-    already written, e.g. by cpu_fused.rope_store). Returns [T, Hq * D]."""
-    if k is not None:
-        pool.write(layer, fb.out_slots, k, v)
+def paged_attention(fb: ForwardBatch, layer: int, pool: KVPool, q: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D]; this batch's new K/V are already in the pool (cpu_fused.rope_store). Returns [T, Hq * D]."""
     num_tokens, num_heads, head_dim = q.shape
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in (fb.extend, fb.decode):

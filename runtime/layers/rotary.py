@@ -1,4 +1,5 @@
-"""Rotary position embedding with a precomputed cos/sin table (HF's rotate-half layout)."""
+"""Rotary position embedding: a precomputed cos/sin table in HF's rotate-half layout (applied to q and
+k by kernels/cpu_fused.rope_store)."""
 
 from __future__ import annotations
 
@@ -39,9 +40,3 @@ class RotaryEmbedding(torch.nn.Module):
         """cos, sin for a batch's positions, shaped [T, D] (gathered once per batch, not per layer)."""
         return self.cos[positions], self.sin[positions]
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D] (q and k heads side by side are fine), cos/sin [T, 1, D] -> rotated copy."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return torch.addcmul(x * cos, rotated, sin)

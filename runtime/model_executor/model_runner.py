@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from plait.kernels.cpu_build import loaded_kernels
 from plait.radix_cache.memory_pool import KVAllocator, KVPool, ReqToTokenPool
 from plait.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode, build_group
 from plait.runtime.model_loader import load_model
@@ -37,8 +38,9 @@ class ModelRunner:
         self.dtype = _DTYPES[args.dtype]
         self.kv_dtype = _DTYPES[args.kv_cache_dtype if args.kv_cache_dtype != "auto" else args.dtype]
         self.batch_invariant = args.enable_deterministic_inference
+        self.kernels = loaded_kernels()  # built now: a bad PLAIT_CPU_ISA fails before the model loads
         if self.batch_invariant:
-            _check_batch_invariant_kernels()
+            _check_batch_invariant_kernels(self.kernels)
         loaded = load_model(args.model_path, self.dtype, args.context_length, args.tokenizer_path, progress,
                             load_tokenizer=not args.skip_tokenizer_init)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
@@ -54,9 +56,6 @@ class ModelRunner:
         # a few spare rows: retracted and chunked requests hold rows beside the running ones
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_length + 1)
         logger.info("KV pool: %d tokens (%.0f MiB)", self.allocator.capacity, self._kv_bytes(num_slots) / 2**20)
-        from plait.kernels.cpu_build import loaded_kernels
-
-        self.kernels = loaded_kernels()
         logger.info("dtype %s, KV %s%s; CPU kernels: %s", args.dtype, self.kv_dtype, ", batch-invariant" *
                     self.batch_invariant, ", ".join(f"{k} {v}" for k, v in self.kernels.items()))
 
@@ -129,10 +128,8 @@ class ModelRunner:
         return fb, order
 
 
-def _check_batch_invariant_kernels() -> None:
+def _check_batch_invariant_kernels(kernels: dict[str, str]) -> None:
     """Batch invariance rests on the C matmul and attention kernels (the torch references promise none)."""
-    from plait.kernels import cpu_attention, cpu_linear
-
-    if cpu_linear._library() is None or cpu_attention._library() is None:
+    if not all(kernels[name].startswith("c/") for name in ("skinny_linear", "paged_attention")):
         raise RuntimeError("--enable-deterministic-inference needs the C kernels (a C compiler, and PLAIT_CPU_ISA "
                            "not 'ref', PLAIT_DISABLE_C_KERNELS unset)")

@@ -20,7 +20,7 @@ from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.model_executor.forward_batch import current_batch
 from plait.runtime.layers.attention import paged_attention
 from plait.runtime.layers.linear import PackedWeight, linear, pack
-from plait.runtime.layers.rotary import RotaryEmbedding, apply_rotary
+from plait.runtime.layers.rotary import RotaryEmbedding
 from plait.runtime.model_config import ModelConfig
 
 
@@ -60,20 +60,15 @@ class DecoderLayer(nn.Module):
         t, inv = x.shape[0], fb.batch_invariant
         hs = rms_norm(x, self.input_norm, self.eps)
         qkv = linear(hs, self.qkv_weight, self.qkv_bias, self.packed["qkv_weight"], inv)
-        if self.q_norm is None:
-            # RoPE on q and k and the K/V store in one pass
-            q = rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, pool.k[self.layer_id],
-                           pool.v[self.layer_id], fb.out_slots)
-            attn = paged_attention(fb, self.layer_id, pool, q, self.scale)
-        else:
-            heads = self.num_heads + self.num_kv_heads
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, heads, self.head_dim)
-            v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-            qk = torch.cat([F.rms_norm(qk[:, : self.num_heads], (self.head_dim,), self.q_norm, self.eps),
-                            F.rms_norm(qk[:, self.num_heads :], (self.head_dim,), self.k_norm, self.eps)], dim=1)
-            qk = apply_rotary(qk, cos[:, None], sin[:, None])  # q and k heads rotated in one pass
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-            attn = paged_attention(fb, self.layer_id, pool, q, self.scale, k, v)
+        if self.q_norm is not None:  # per-head RMS norm of q and k before RoPE (Qwen3), in place in qkv
+            q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+            q.copy_(F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps))
+            k.copy_(F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps))
+        # RoPE on q and k and the K/V store in one pass
+        q = rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, pool.k[self.layer_id],
+                       pool.v[self.layer_id], fb.out_slots)
+        attn = paged_attention(fb, self.layer_id, pool, q, self.scale)
         x, hs = add_rms_norm(x, linear(attn, self.o_weight, None, self.packed["o_weight"], inv), self.post_norm,
                              self.eps)
         act = silu_mul(linear(hs, self.gate_up_weight, None, self.packed["gate_up_weight"], inv))
