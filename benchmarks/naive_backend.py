@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from plait.lang.backends.base import Backend, choose
+from plait.lang.backends.base import Backend, Call, choose
 from plait.lang.chat_template import derive_roles
 
 
@@ -39,7 +39,7 @@ class TransformersBackend(Backend):
         return self._roles
 
     @torch.inference_mode()
-    def generate(self, prompt, messages, params, on_delta, return_logprob=False, top_logprobs_num=0):
+    def generate(self, prompt, messages, params, on_delta, call: Call = Call()):
         ids = torch.tensor([self.tokenizer.encode(prompt)])
         kw = {"max_new_tokens": params.get("max_new_tokens", 128), "pad_token_id": self.tokenizer.eos_token_id}
         temp = params.get("temperature", 1.0)
@@ -55,9 +55,10 @@ class TransformersBackend(Backend):
         text = self.tokenizer.decode(out, skip_special_tokens=True)
         for s in params.get("stop") or []:
             text = text.split(s)[0]
+        meta = {"prompt_tokens": ids.shape[1], "completion_tokens": len(out), "cached_tokens": 0}
         if on_delta:
-            on_delta(text)
-        return text, {"prompt_tokens": ids.shape[1], "completion_tokens": len(out), "cached_tokens": 0}
+            on_delta(text, meta)
+        return text, meta
 
     def _grammar(self, params):
         import xgrammar as xgr
@@ -72,7 +73,7 @@ class TransformersBackend(Backend):
         return LogitsProcessor(g)
 
     @torch.inference_mode()
-    def select(self, prompt, messages, choices, method, temperature):
+    def select(self, prompt, messages, choices, method, temperature, call: Call = Call()):
         tok = self.tokenizer
         head = tok.encode(prompt)
         lps = []

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# SGLang's regexes for gen(dtype=...) (sglang.lang.ir), so programs that import them port unchanged
+REGEX_INT = r"[-+]?[0-9]+[ \n]*"
+REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
+REGEX_BOOL = r"(True|False)"
+REGEX_STR = r"\"[\w\d\s]*\""
+
 
 class Expr:
     """Base: expressions concatenate with + (and with plain strings on either side)."""
@@ -43,6 +49,8 @@ class Gen(Expr):
     dtype: type | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int | None = None
+    return_text_in_logprobs: bool = False
 
 
 @dataclass
@@ -53,6 +61,47 @@ class Select(Expr):
     temperature: float = 0.0
 
 
+@dataclass
+class VarScopeBegin(Expr):
+    name: str
+
+
+@dataclass
+class VarScopeEnd(Expr):
+    name: str
+
+
+@dataclass
+class Variable(Expr):
+    """A variable's value, read when the expression runs (a traced program's reads are these)."""
+
+    name: str
+
+
+@dataclass
+class SeparateReasoning(Expr):
+    """Split each named gen/select in `names` into its answer and `<name>_reasoning_content`."""
+
+    model_type: str | None
+    names: list[str]
+
+
+@dataclass
+class Media(Expr):
+    """sgl.image / sgl.video: kept so programs build; running one needs a vision model."""
+
+    kind: str  # "image" | "video"
+    path: Any
+    num_frames: int | None = None
+
+
+@dataclass
+class JoinBranches(Expr):
+    """join(mode="concate_and_append"): append the branches' texts (and reuse their KV)."""
+
+    branches: list[Any]  # the ProgramStates of a fork group
+
+
 def as_expr(x: Any) -> Expr:
     if isinstance(x, Expr):
         return x
@@ -61,3 +110,12 @@ def as_expr(x: Any) -> Expr:
     if isinstance(x, (int, float)):
         return Text(str(x))
     raise TypeError(f"cannot append {type(x).__name__} to a program state (use str, gen, select or a role)")
+
+
+def gen_names(e: Expr) -> list[str]:
+    """The names of the gen/select calls inside an expression, in order."""
+    if isinstance(e, (Gen, Select)):
+        return [e.name] if e.name else []
+    if isinstance(e, Seq):
+        return [n for item in e.items for n in gen_names(item)]
+    return []

@@ -20,10 +20,10 @@ class NoCache:
     def reset(self) -> None:
         pass
 
-    def match_prefix(self, key: list[int], count: bool = False) -> MatchResult:
+    def match_prefix(self, key: list[int], count: bool = False, joins: tuple[str, ...] = ()) -> MatchResult:
         return MatchResult(_EMPTY, self.root)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, joins: tuple[str, ...] = ()) -> int:
         # Takes nothing: reporting the whole key as "already cached" leaves every slot to the caller to free.
         return len(key) // self.page_size * self.page_size
 

@@ -6,7 +6,12 @@ Invariants (checked by `check()`):
 - a node's `lock_ref` is the number of lock() calls on it or on any node below it
   (so a parent's lock_ref >= each child's), and locked nodes are never evicted;
 - `evictable_size` / `protected_size` are the token totals of unlocked / locked nodes;
-- no KV slot appears in two nodes.
+- no KV slot appears in two nodes;
+- a *join edge* (a node with a non-empty `join`) holds KV that was not computed causally over
+  its path (concate_and_append: branches encoded side by side, their keys re-rotated to the
+  joined positions). It is filed under `(join, first page)`, so only a walk that names the join
+  enters it; everything below it is reachable only through it. Requests that name no join never
+  see such KV, so the tree stays exact for them.
 """
 
 from __future__ import annotations
@@ -23,15 +28,16 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "join")
 
-    def __init__(self, parent: "TreeNode | None", key: list[int], value: torch.Tensor, tick: int):
+    def __init__(self, parent: "TreeNode | None", key: list[int], value: torch.Tensor, tick: int, join: str = ""):
         self.children: dict = {}
         self.parent = parent
         self.key = key
         self.value = value
         self.lock_ref = 0
         self.last_access = tick
+        self.join = join  # "" for causal KV; a join id for a join edge
 
     def __lt__(self, other: "TreeNode") -> bool:  # heap order for LRU eviction
         return self.last_access < other.last_access
@@ -82,28 +88,37 @@ class RadixCache:
         self.hit_tokens = 0
         self.query_tokens = 0
 
-    def match_prefix(self, key: list[int], count: bool = False) -> MatchResult:
-        """Longest cached page-aligned prefix of `key`. Splits a node so the match ends on a node."""
+    def match_prefix(self, key: list[int], count: bool = False, joins: tuple[str, ...] = ()) -> MatchResult:
+        """Longest cached page-aligned prefix of `key`, entering the join edges named in `joins`.
+        Splits a node so the match ends on a node."""
         key = self._aligned(key)
-        node, values = self._walk(key, split=True)
+        node, values = self._walk(key, split=True, joins=joins)
         indices = torch.cat(values) if values else _EMPTY
         if count:
             self.hit_tokens += len(indices)
             self.query_tokens += len(key)
         return MatchResult(indices, node)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Insert key -> slots. Returns how many leading tokens were already cached: the caller's
-        slots for those are duplicates and stay the caller's to free. The rest now belong to the tree."""
+    def insert(self, key: list[int], value: torch.Tensor, joins: tuple[str, ...] = ()) -> int:
+        """Insert key -> slots along the path match_prefix(key, joins=joins) walks. Returns how many
+        leading tokens were already cached: the caller's slots for those are duplicates and stay the
+        caller's to free. The rest now belong to the tree."""
         key = self._aligned(key)
         value = value[: len(key)]
-        node, values = self._walk(key, split=True)
+        node, values = self._walk(key, split=True, joins=joins)
         matched = sum(len(v) for v in values)
         if matched < len(key):
-            child = TreeNode(node, key[matched:], value[matched:].clone(), self._next_tick())
-            node.children[self._child_key(child.key)] = child
-            self.evictable_size += len(child.key)
+            self._add_child(node, key[matched:], value[matched:].clone(), "")
         return matched
+
+    def insert_join(self, node: TreeNode, join: str, key: list[int], value: torch.Tensor) -> TreeNode:
+        """File KV that continues `node`'s path but was not computed causally over it under a join
+        edge named `join` (see the module docstring). The slots now belong to the tree."""
+        if not join or not key or len(key) != len(value) or len(key) % self.page_size:
+            raise ValueError("a join edge needs a name and a non-empty, page-aligned key with one slot per token")
+        if self._filed_key_of(join, key) in node.children:
+            raise ValueError(f"join {join!r} already has an edge here")
+        return self._add_child(node, list(key), value.clone(), join)
 
     def lock(self, node: TreeNode) -> None:
         while node is not self.root:
@@ -134,7 +149,7 @@ class RadixCache:
             freed += len(leaf.key)
             self.evictable_size -= len(leaf.key)
             parent = leaf.parent
-            del parent.children[self._child_key(leaf.key)]
+            del parent.children[self._filed_key(leaf)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         return freed
@@ -158,7 +173,7 @@ class RadixCache:
             assert node.key, "empty non-root node"
             assert len(node.key) == len(node.value), "key/value length mismatch"
             assert len(node.key) % self.page_size == 0, "node not page aligned"
-            assert node.parent.children.get(self._child_key(node.key)) is node, "child filed under wrong key"
+            assert node.parent.children.get(self._filed_key(node)) is node, "child filed under wrong key"
             below = sum(c.lock_ref for c in node.children.values())
             assert node.lock_ref >= max((c.lock_ref for c in node.children.values()), default=0), "lock order"
             assert node.lock_ref >= 0 and below >= 0
@@ -184,12 +199,31 @@ class RadixCache:
     def _child_key(self, key: list[int]):
         return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
 
-    def _walk(self, key: list[int], split: bool) -> tuple[TreeNode, list[torch.Tensor]]:
+    def _filed_key_of(self, join: str, key: list[int]):
+        return (join, self._child_key(key)) if join else self._child_key(key)
+
+    def _filed_key(self, node: TreeNode):
+        return self._filed_key_of(node.join, node.key)
+
+    def _add_child(self, node: TreeNode, key: list[int], value: torch.Tensor, join: str) -> TreeNode:
+        child = TreeNode(node, key, value, self._next_tick(), join)
+        node.children[self._filed_key(child)] = child
+        self.evictable_size += len(key)
+        return child
+
+    def _walk(self, key: list[int], split: bool, joins: tuple[str, ...] = ()) -> tuple[TreeNode, list[torch.Tensor]]:
         node, values, pos = self.root, [], 0
         tick = self._next_tick()
         node.last_access = tick
         while pos < len(key):
-            child = node.children.get(self._child_key(key[pos:]))
+            first = self._child_key(key[pos:])
+            child = None
+            for join in reversed(joins):  # a join edge wins over the causal path (the newest join first)
+                child = node.children.get((join, first))
+                if child is not None:
+                    break
+            if child is None:
+                child = node.children.get(first)
             if child is None:
                 break
             n = common_prefix_len(child.key, key[pos:])
@@ -206,13 +240,15 @@ class RadixCache:
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child` after n tokens; returns the new upper node."""
-        upper = TreeNode(child.parent, child.key[:n], child.value[:n].clone(), child.last_access)
+        # the upper part takes the child's place (and its join edge); the lower part hangs below it
+        upper = TreeNode(child.parent, child.key[:n], child.value[:n].clone(), child.last_access, child.join)
         upper.lock_ref = child.lock_ref
-        upper.parent.children[self._child_key(upper.key)] = upper
+        upper.parent.children[self._filed_key(upper)] = upper
         child.key = child.key[n:]
         child.value = child.value[n:].clone()
         child.parent = upper
-        upper.children[self._child_key(child.key)] = child
+        child.join = ""
+        upper.children[self._filed_key(child)] = child
         return upper
 
     def _nodes(self):

@@ -104,13 +104,16 @@ def typed(s):
     s += "Q: How many legs does a spider have?\nA: " + pl.gen_int("legs", max_tokens=4) + "\n"
     s += "Q: Pi to two decimals?\nA: " + pl.gen("pi", dtype=float, max_tokens=8) + "\n"
     s += "Q: A date in ISO format?\nA: " + pl.gen("date", regex=r"\d{4}-\d{2}-\d{2}", max_tokens=12) + "\n"
-    s += "Q: Say hi.\nA: " + pl.gen_string("hi", max_tokens=6, min_tokens=6, ignore_eos=False)
+    s += "Q: Name a color.\nA: " + pl.gen_string("color", max_tokens=12) + "\n"
+    s += "Q: Say hi.\nA: " + pl.gen("hi", max_tokens=6, min_tokens=6, ignore_eos=False)
 
 
 def test_int_float_regex_and_min_tokens(backend):
     s = typed.run(backend=backend)
-    assert isinstance(s["legs"], int) and isinstance(s["pi"], float)
+    # SGLang's semantics: dtype constrains the text (REGEX_INT, REGEX_FLOAT); the value stays a string
+    assert re.fullmatch(r"[-+]?[0-9]+", s["legs"]) and re.fullmatch(r"[-+]?[0-9]*\.?[0-9]+", s["pi"])
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", s["date"])
+    assert re.fullmatch(r'"[\w\d\s]*"?', s["color"])  # REGEX_STR (cut short only at max_tokens)
     assert s.get_meta_info("hi")["completion_tokens"] == 6
 
 
@@ -289,3 +292,155 @@ def test_openai_backend_on_the_chat_api(backend):
 
     with pytest.raises(ValueError, match="after text inside an assistant turn"):
         unsupported.run(backend=oai)
+
+
+# ---- the rest of SGLang's program surface ----------------------------------------------------
+@pl.function
+def scoped(s, q):
+    with s.system():
+        s += "You are a concise assistant."
+    with s.user():
+        s += q
+    with s.assistant():
+        s += pl.gen("a", max_tokens=8, temperature=0)
+    with s.var_scope("card"):
+        s += "Name: " + pl.gen("name", max_tokens=6, stop="\n", temperature=0) + "\n"
+    s["extra"] = 42
+    return "done"
+
+
+@pl.function
+def called(s, q):
+    s.system("You are a concise assistant.")  # a role method given its content appends it at once
+    s += pl.user(q)
+    s += pl.assistant(pl.gen("a", max_tokens=8, temperature=0))
+
+
+def test_role_scopes_var_scope_and_item_assignment(backend):
+    s = scoped.run(q="Say hi.", backend=backend)
+    assert [m["role"] for m in s.messages()] == ["system", "user", "assistant"]
+    assert s.messages()[2]["content"] == s["a"]
+    assert s["card"] == "Name: " + s["name"] + "\n" and s.text().endswith(s["card"])
+    assert s["extra"] == 42 and "extra" in s and s.ret_value == "done" and s.error() is None
+    assert repr(s).startswith("ProgramState(")
+    t = called.run(q="Say hi.", backend=backend)
+    assert t.text() == s.text()[: len(t.text())] and t["a"] == s["a"]  # same turns, same template
+
+
+@pl.function
+def forked(s):
+    s += "Count: "
+    f = s.fork(3)
+    f += lambda i: f"{i}, "  # a callable gets each branch's index
+    f[1] += "and "  # indexed append (assigns the branch back to the group)
+    f += ["a", "b", "c"]  # one item per branch
+    f += pl.gen("g", max_tokens=2, temperature=0)
+    f.join()
+    with s.copy() as c:
+        c += " then" + pl.gen("c", max_tokens=2, temperature=0)
+    return [b.text() for b in f]
+
+
+def test_fork_group_operators_and_copy(backend):
+    s = forked.run(backend=backend)
+    texts = s.ret_value
+    assert [t[: len(t) - len(g)] for t, g in zip(texts, s["g"])] == ["Count: 0, a", "Count: 1, and b", "Count: 2, c"]
+    assert len(s["c"]) == 1 and s.text() == "Count: "  # join gathers variables; the parent's text stays
+    with pytest.raises(ValueError, match="cannot be replaced"):
+        grp = pl.ProgramStateGroup(None, [1, 2])
+        grp[0] = 3
+    with pytest.raises(ValueError, match="join mode"):
+        pl.ForkGroup(None, []).join(mode="zip")
+
+
+FACTS = ["- Ethan is the father of Liam.\n", "- Noah is the father of Julian.\n", "- Oliver is the father of Carlos.\n"]
+
+
+@pl.function
+def facts(s, joined: bool):
+    s += "Read the facts, then answer the question.\nFacts:\n"
+    if joined:
+        forks = s.fork(len(FACTS))
+        forks += lambda i: FACTS[i]
+        forks.join(mode="concate_and_append")
+    else:
+        s += "".join(FACTS)
+    s += "Question: Who is the father of Julian?\nAnswer:" + pl.gen("answer", max_tokens=6, stop="\n", temperature=0)
+
+
+def test_concate_and_append_reuses_the_branches_kv(backend):
+    pl.flush_cache(backend)
+    s = facts.run(joined=True, backend=backend)
+    (info,) = s.join_info  # the runtime built the joined KV from the branches' own
+    assert info["reused"] == len(info["input_ids"]) and s.joins == (info["join_id"],)
+    # the follow-up call read the fork and every branch from the joined KV: only the question is new
+    assert s.get_meta_info("answer")["cached_tokens"] >= info["reused"]
+    prompt = s.text()[: len(s.text()) - len(s["answer"])]
+    plain = facts.run(joined=False, backend=backend)
+    assert plain.text()[: len(plain.text()) - len(plain["answer"])] == prompt  # the same text as the plain join
+    pl.global_config.enable_parallel_encoding = False
+    try:
+        t = facts.run(joined=True, backend=backend)
+        assert t.joins == () and t.text()[: len(t.text()) - len(t["answer"])] == prompt
+        assert t["answer"] == plain["answer"]  # a text join computes exactly what the plain text does
+    finally:
+        pl.global_config.enable_parallel_encoding = True
+    assert pl.get_server_info(backend)["kv_check"] == "ok"
+
+
+@pl.function
+def thinker(s):
+    s += pl.user("Think, then name a color.")
+    s += pl.assistant(pl.separate_reasoning(
+        pl.gen("a", regex=r"<think>[a-z ]{1,16}</think>[A-Z][a-z]{1,8}", max_tokens=32, temperature=0),
+        model_type="qwen3"))
+
+
+def test_separate_reasoning_media_errors_trace_and_cache(backend):
+    s = thinker.run(backend=backend)
+    assert "<think>" not in s["a"] and s["a_reasoning_content"] and "<think>" not in s.text()
+    assert s.messages()[-1]["content"] == s["a"]
+
+    @pl.function
+    def looks(s):
+        s += pl.user(pl.image("cat.png") + "What is this?")
+
+    with pytest.raises(NotImplementedError, match="vision"):
+        looks.run(backend=backend)
+    assert isinstance(looks.run(backend=backend, stream=True).error(), NotImplementedError)
+
+    traced = scoped.trace(backend=backend, q="Say hi.")
+    assert traced.prefix.endswith("Say hi.<|im_end|>\n<|im_start|>assistant\n")
+    assert set(traced.variables) == {"a", "name", "card", "extra"} and any(isinstance(n, pl.lang.ir.Gen) for n in traced.nodes)
+
+    @pl.function
+    def long_prefix(s, title):
+        s += SHARED + "Title: " + title + "\nGenre:" + pl.gen("g", max_tokens=2, temperature=0)
+
+    assert long_prefix.cache(backend) == SHARED + "Title: "  # the text before the first argument
+    assert meta_cached(long_prefix.run(title="Dune", backend=backend), "g") >= 32
+
+
+def test_run_options_batches_usage_and_api_speculation(backend):
+    states = few_shot_qa.run_batch([("France",), ("Italy",)], backend=backend)  # positional tuples
+    assert "Paris" in states[0]["answer"] and "Rome" in states[1]["answer"]
+    gen = few_shot_qa.run_batch([{"country": "Spain"}], backend=backend, generator_style=True)
+    assert "Madrid" in next(iter(gen))["answer"]
+    s = few_shot_qa.run(country="France", backend=backend, return_logprob=True, top_logprobs_num=2)
+    meta = s.get_meta_info("answer")
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] == meta["output_token_logprobs_length"]
+
+    def character(s):
+        s += "Name: Steve Jobs.\nBirthday: February 24, 1955.\nJob: Apple CEO.\n\nAnother person.\nName:"
+        s += pl.gen("name", stop="\n", temperature=0) + "\nBirthday:" + pl.gen("birthday", stop="\n", temperature=0)
+        s += "\nJob:" + pl.gen("job", stop="\n", temperature=0) + "\n"
+
+    usage = backend.token_usage
+    usage.reset()
+    plain = pl.function(character).run(backend=backend, max_new_tokens=12)
+    calls_plain = usage.prompt_tokens
+    usage.reset()
+    spec = pl.function(num_api_spec_tokens=32)(character).run(backend=backend, max_new_tokens=12)
+    assert usage.prompt_tokens < calls_plain  # one call generated ahead for the following gens
+    assert spec["name"] == plain["name"]  # greedy either way
+    assert pl.flush_cache(backend) is True and pl.get_server_info(backend)["cache_tokens"] == 0

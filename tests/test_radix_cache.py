@@ -36,6 +36,37 @@ def test_match_insert_split_and_evict():
     cache.check()
 
 
+def test_join_edges_are_seen_only_by_requests_naming_the_join():
+    alloc = KVAllocator(64)
+    cache = RadixCache(alloc)
+    fork = [1, 2, 3]
+    cache.insert(fork + [4, 5], _alloc(alloc, 5))  # branch 0, computed causally
+    node = cache.match_prefix(fork + [4, 5]).node
+    joined_tail = _alloc(alloc, 2)
+    cache.insert_join(node, "j1", [6, 7], joined_tail)  # branch 1's tokens after branch 0
+    cache.check()
+    seq = fork + [4, 5, 6, 7, 8]
+    assert cache.match_prefix(seq).indices.numel() == 5  # causal only: the join edge is invisible
+    m = cache.match_prefix(seq, joins=("j1",))
+    assert m.indices.numel() == 7 and m.indices[5:].tolist() == joined_tail.tolist()
+    # KV computed after the joined tokens hangs below the join edge, so it is joined KV too
+    after = _alloc(alloc, 8)
+    assert cache.insert(seq, after, joins=("j1",)) == 7
+    assert cache.match_prefix(seq, joins=("j1",)).indices.numel() == 8
+    assert cache.match_prefix(seq).indices.numel() == 5
+    # the same tokens computed causally get their own path beside the join edge
+    causal = _alloc(alloc, 8)
+    assert cache.insert(seq, causal) == 5
+    assert cache.match_prefix(seq).indices[5:].tolist() == causal[5:].tolist()
+    assert cache.match_prefix(seq, joins=("j1",)).indices[5:7].tolist() == joined_tail.tolist()
+    # a split inside the join edge keeps the edge on top; eviction takes leaves of both paths
+    assert cache.match_prefix(fork + [4, 5, 6], joins=("j1",)).indices.numel() == 6
+    cache.check()
+    assert cache.evict(100) == 3 + 2 + 1 + 1 + 1 + 3  # [1..3], [4,5], joined [6], [7], [8], causal [6..8]
+    assert cache.stats().total_tokens == 0
+    cache.check()
+
+
 def test_no_cache_keeps_nothing():
     alloc = KVAllocator(16)
     cache = NoCache(alloc)

@@ -12,9 +12,9 @@ from server_util import Server
 def test_mixed_load_with_disconnects_and_aborts_loses_nothing():
     srv = Server("--max-total-tokens", "16384", "--max-running-requests", "32")
     try:
-        report = asyncio.run(run_load(srv.url, srv.headers, requests=240, concurrency=32, seed=7))
+        report = asyncio.run(run_load(srv.url, srv.headers, requests=160, concurrency=32, seed=7))
     finally:
         code = srv.stop()
     assert report.ok, report.summary() + "\n" + "\n".join(report.problems[:20])
-    assert report.outcomes["disconnected"] > 0 and report.outcomes["aborted"] > 0 and report.outcomes["ok"] > 150
+    assert report.outcomes["disconnected"] > 0 and report.outcomes["aborted"] > 0 and report.outcomes["ok"] > 95
     assert code == 0

@@ -95,6 +95,13 @@ def test_generate_stream_is_cumulative_and_matches(http):
     assert counts == sorted(counts) and counts[-1] == 12
     deltas = sum(len(s["meta_info"]["output_token_logprobs"]) for s in snaps)
     assert deltas == 12  # logprobs arrive as deltas
+    # SGLang's meta_info keys, which its frontend and clients read (lengths and counts are cumulative)
+    assert all(s["meta_info"]["output_token_logprobs_length"] == s["meta_info"]["completion_tokens"] for s in snaps)
+    for meta in (full["meta_info"], snaps[-1]["meta_info"]):
+        assert {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency",
+                "weight_version", "num_retractions", "reasoning_tokens", "input_token_logprobs",
+                "output_token_logprobs", "output_token_logprobs_length"} <= set(meta)
+    assert full["meta_info"]["output_token_logprobs_length"] == 12
 
 
 def test_info_endpoints(http, server):
@@ -157,6 +164,16 @@ def oai(server):
     return OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
 
 
+def test_openai_names_the_model_it_serves(oai):
+    import openai
+
+    served = oai.models.list().data[0].id
+    for name in (served, "default", served.removesuffix(".gguf")):
+        assert oai.completions.create(model=name, prompt="1, 2,", max_tokens=2, temperature=0).model == name
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
 def test_openai_models_and_completions(oai, http):
     models = oai.models.list().data
     assert len(models) == 1 and models[0].id.endswith(".gguf")
@@ -174,9 +191,9 @@ def test_openai_models_and_completions(oai, http):
 
 def test_openai_chat_seed_logprobs_usage(oai):
     msgs = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "What is 2+2?"}]
-    a = oai.chat.completions.create(model="m", messages=msgs, max_completion_tokens=10, temperature=0.8, seed=7,
+    a = oai.chat.completions.create(model="default", messages=msgs, max_completion_tokens=10, temperature=0.8, seed=7,
                                     logprobs=True, top_logprobs=3)
-    b = oai.chat.completions.create(model="m", messages=msgs, max_tokens=10, temperature=0.8, seed=7)
+    b = oai.chat.completions.create(model="default", messages=msgs, max_tokens=10, temperature=0.8, seed=7)
     assert a.choices[0].message.content == b.choices[0].message.content  # same seed, same text
     assert a.choices[0].message.role == "assistant" and a.choices[0].finish_reason in ("stop", "length")
     content = a.choices[0].logprobs.content
@@ -186,8 +203,8 @@ def test_openai_chat_seed_logprobs_usage(oai):
 
 def test_openai_chat_stream_with_usage(oai):
     msgs = [{"role": "user", "content": "Count from one to five."}]
-    full = oai.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0)
-    stream = oai.chat.completions.create(model="m", messages=msgs, max_tokens=16, temperature=0, stream=True,
+    full = oai.chat.completions.create(model="default", messages=msgs, max_tokens=16, temperature=0)
+    stream = oai.chat.completions.create(model="default", messages=msgs, max_tokens=16, temperature=0, stream=True,
                                          stream_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -268,6 +285,11 @@ def test_disconnect_mid_stream_frees_kv(server, http):
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "temperature": 9}, 400, "temperature"),
+    ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, 404,
+     "`gpt-4o` does not exist"),
+    ("/generate", {"text": "hi", "kv_joins": "j"}, 400, "kv_joins"),
+    ("/join_kv", {"fork_text": "A", "branch_texts": ["b"]}, 400, "branch_texts"),
+    ("/join_kv", {"fork_text": "", "branch_texts": ["b", "c"]}, 400, "fork_text"),
 ])
 def test_bad_input_gets_4xx_while_others_stream(server, http, path, body, status, words):
     with server.client() as c, c.stream("POST", "/generate", json={"text": "Count: 1, 2, 3,", "stream": True,

@@ -3,32 +3,105 @@
 from __future__ import annotations
 
 import math
+import threading
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable
 
 from plait.lang.chat_template import ChatRoles
 
-OnDelta = Callable[[str], None] | None
+# (new text, meta_info of that piece): output logprobs are the piece's, counts are cumulative
+OnDelta = Callable[[str, dict], None] | None
 METHODS = ("token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized")
 
 
+@dataclass(frozen=True)
+class Call:
+    """What a program sends with a model call besides the prompt and the sampling parameters."""
+
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int | None = None
+    return_text_in_logprobs: bool = False
+    joins: tuple[str, ...] = ()  # KV joins (concate_and_append) whose KV the call may reuse
+
+    def native_fields(self) -> dict:
+        """The call's fields in a native /generate body (or Engine.generate keywords)."""
+        out: dict = {"return_logprob": self.return_logprob, "top_logprobs_num": self.top_logprobs_num,
+                     "return_text_in_logprobs": self.return_text_in_logprobs}
+        if self.logprob_start_len is not None:
+            out["logprob_start_len"] = self.logprob_start_len
+        if self.joins:
+            out["kv_joins"] = list(self.joins)
+        return out
+
+
+class TokenUsage:
+    """Tokens a backend's calls used (SGLang's `backend.token_usage`)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def add(self, meta: dict) -> None:
+        with self._lock:
+            self.prompt_tokens += int(meta.get("prompt_tokens") or 0)
+            self.completion_tokens += int(meta.get("completion_tokens") or 0)
+
+    def __repr__(self) -> str:
+        return f"TokenUsage(prompt_tokens={self.prompt_tokens}, completion_tokens={self.completion_tokens})"
+
+
 class Backend(ABC):
+    is_chat_model = False  # True: the API takes messages, not a prompt to continue
+    support_concate_and_append = False  # join_kv can reuse branches' KV
+
+    @property
+    def token_usage(self) -> TokenUsage:
+        usage = self.__dict__.get("_token_usage")
+        if usage is None:
+            usage = self.__dict__.setdefault("_token_usage", TokenUsage())
+        return usage
+
+    @property
+    def endpoint(self) -> "Backend":
+        """SGLang's Runtime exposes its HTTP client as `.endpoint`; a plait backend is its own."""
+        return self
+
     @abstractmethod
     def roles(self) -> ChatRoles:
         """Role markers from the model's chat template."""
 
     @abstractmethod
     def generate(self, prompt: str, messages: list[dict], params: dict, on_delta: OnDelta,
-                 return_logprob: bool = False, top_logprobs_num: int = 0) -> tuple[str, dict]:
+                 call: Call = Call()) -> tuple[str, dict]:
         """Continue `prompt`; returns (text, meta_info). With on_delta, text arrives there as it is made."""
 
     @abstractmethod
     def select(self, prompt: str, messages: list[dict], choices: list[str], method: str,
-               temperature: float) -> tuple[int, dict]:
+               temperature: float, call: Call = Call()) -> tuple[int, dict]:
         """Pick one of `choices` as the continuation of `prompt`; returns (index, meta_info)."""
 
-    def cache_prefix(self, prompt: str) -> None:
+    def cache_prefix(self, prompt: str, call: Call = Call()) -> None:
         """Compute `prompt` once so later requests that extend it hit the prefix cache."""
+
+    def join_kv(self, fork_text: str, branch_texts: list[str], call: Call = Call()) -> dict | None:
+        """Build the KV of fork_text + every branch text from the branches' own KV (concate_and_append).
+        Returns {"join_id", ...} for later calls to name, or None where the backend cannot."""
+        return None
+
+    def get_model_name(self) -> str:
+        raise NotImplementedError(f"{type(self).__name__} has no model name")
+
+    def get_server_info(self) -> dict:
+        raise NotImplementedError(f"{type(self).__name__} has no server info")
+
+    def flush_cache(self) -> bool:
+        return False
 
     def shutdown(self) -> None:
         pass

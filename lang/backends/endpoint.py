@@ -7,11 +7,13 @@ import json
 
 import httpx
 
-from plait.lang.backends.base import Backend, OnDelta, choose, unconditional_context
+from plait.lang.backends.base import Backend, Call, OnDelta, choose, unconditional_context
 from plait.lang.chat_template import CHATML, ChatRoles, derive_roles, jinja_render
 
 
 class RuntimeEndpoint(Backend):
+    support_concate_and_append = True
+
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
@@ -23,8 +25,8 @@ class RuntimeEndpoint(Backend):
         self._check(r)
         return r.json()
 
-    def _post(self, body: dict):
-        r = self.client.post("/generate", json=body)
+    def _post(self, body: dict, path: str = "/generate"):
+        r = self.client.post(path, json=body)
         self._check(r)
         return r.json()
 
@@ -46,11 +48,11 @@ class RuntimeEndpoint(Backend):
     def roles(self) -> ChatRoles:
         return self._roles
 
-    def generate(self, prompt, messages, params, on_delta: OnDelta, return_logprob=False, top_logprobs_num=0):
-        body = {"text": prompt, "sampling_params": params, "return_logprob": return_logprob,
-                "top_logprobs_num": top_logprobs_num}
+    def generate(self, prompt, messages, params, on_delta: OnDelta, call: Call = Call()):
+        body = {"text": prompt, "sampling_params": params, **call.native_fields()}
         if on_delta is None:
             out = self._post(body)
+            self.token_usage.add(out["meta_info"])
             return out["text"], out["meta_info"]
         text, meta, lps, tops = "", {}, [], []
         with self.client.stream("POST", "/generate", json={**body, "stream": True}) as r:
@@ -67,20 +69,24 @@ class RuntimeEndpoint(Backend):
                 text, meta = snap["text"], snap["meta_info"]
                 lps += meta.get("output_token_logprobs") or []
                 tops += meta.get("output_top_logprobs") or []
-                if delta:
-                    on_delta(delta)
-        if return_logprob:
+                on_delta(delta, meta)
+        if call.return_logprob:
             meta = {**meta, "output_token_logprobs": lps, **({"output_top_logprobs": tops} if tops else {})}
+        self.token_usage.add(meta)
         return text, meta
 
-    def _choice_logprobs(self, context: str, choices: list[str]) -> list[list[float]]:
+    def _choice_logprobs(self, context: str, choices: list[str], call: Call) -> list[list[float]]:
+        joins = {"kv_joins": list(call.joins)} if call.joins else {}
         # the context alone first: its length, its last token, and it lands in the prefix cache
         head = self._post({"text": context, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
-                           "logprob_start_len": 0})
+                           "logprob_start_len": 0, **joins})
         n_context = head["meta_info"]["prompt_tokens"]
         last_id = head["meta_info"]["input_token_logprobs"][-1][1]
         outs = self._post({"text": [context + c for c in choices], "sampling_params": {"max_new_tokens": 0},
-                           "return_logprob": True, "logprob_start_len": max(n_context - 1, 0)})
+                           "return_logprob": True, "logprob_start_len": max(n_context - 1, 0), **joins})
+        self.token_usage.add(head["meta_info"])
+        for o in outs:
+            self.token_usage.add(o["meta_info"])
         lps = []
         for o in outs:
             entries = o["meta_info"]["input_token_logprobs"]
@@ -90,15 +96,31 @@ class RuntimeEndpoint(Backend):
             lps.append([e[0] for e in entries if e[0] is not None])
         return lps
 
-    def select(self, prompt, messages, choices, method, temperature):
-        lps = self._choice_logprobs(prompt, choices)
+    def select(self, prompt, messages, choices, method, temperature, call: Call = Call()):
+        lps = self._choice_logprobs(prompt, choices, call)
         unc = None
         if method == "unconditional_likelihood_normalized":
-            unc = self._choice_logprobs(unconditional_context(prompt), choices)
+            unc = self._choice_logprobs(unconditional_context(prompt), choices, Call())
         return choose(method, lps, unc)
 
-    def cache_prefix(self, prompt: str) -> None:
-        self._post({"text": prompt, "sampling_params": {"max_new_tokens": 0}})
+    def cache_prefix(self, prompt: str, call: Call = Call()) -> None:
+        joins = {"kv_joins": list(call.joins)} if call.joins else {}
+        self._post({"text": prompt, "sampling_params": {"max_new_tokens": 0}, **joins})
+
+    def join_kv(self, fork_text: str, branch_texts: list[str], call: Call = Call()) -> dict | None:
+        out = self._post({"fork_text": fork_text, "branch_texts": branch_texts, "kv_joins": list(call.joins)},
+                         "/join_kv")
+        return out if out.get("join_id") else None
+
+    def get_model_name(self) -> str:
+        return self.model_info["model_path"]
+
+    def get_server_info(self) -> dict:
+        return self._get("/server_info")
+
+    def flush_cache(self) -> bool:
+        r = self.client.post("/flush_cache")
+        return r.status_code == 200
 
     def shutdown(self) -> None:
         self.client.close()

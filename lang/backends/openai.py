@@ -7,11 +7,13 @@ token that starts it, so the choices must differ in their first tokens. Anything
 
 from __future__ import annotations
 
-from plait.lang.backends.base import Backend, OnDelta
+from plait.lang.backends.base import Backend, Call, OnDelta
 from plait.lang.chat_template import CHATML, ChatRoles, derive_roles, jinja_render
 
 
 class OpenAI(Backend):
+    is_chat_model = True
+
     def __init__(self, model: str, base_url: str | None = None, api_key: str | None = None, **client_kwargs):
         import openai
 
@@ -29,7 +31,7 @@ class OpenAI(Backend):
             raise ValueError(f"the OpenAI backend cannot {what} after text inside an assistant turn")
         return messages[:-1]
 
-    def generate(self, prompt, messages, params, on_delta: OnDelta, return_logprob=False, top_logprobs_num=0):
+    def generate(self, prompt, messages, params, on_delta: OnDelta, call: Call = Call()):
         msgs = self._messages(messages, "gen")
         for key in ("regex", "ebnf", "min_new_tokens"):
             if params.get(key):
@@ -43,20 +45,21 @@ class OpenAI(Backend):
 
             kw["response_format"] = {"type": "json_schema",
                                      "json_schema": {"name": "output", "schema": json.loads(params["json_schema"])}}
-        if return_logprob:
-            kw.update(logprobs=True, top_logprobs=top_logprobs_num or None)
+        if call.return_logprob:
+            kw.update(logprobs=True, top_logprobs=call.top_logprobs_num or None)
         r = self.client.chat.completions.create(**kw)
         choice = r.choices[0]
         text = choice.message.content or ""
-        if on_delta is not None and text:
-            on_delta(text)
         meta = {"finish_reason": {"type": choice.finish_reason}, "prompt_tokens": r.usage.prompt_tokens,
                 "completion_tokens": r.usage.completion_tokens}
-        if return_logprob and choice.logprobs:
+        if call.return_logprob and choice.logprobs:
             meta["output_token_logprobs"] = [[t.logprob, None, t.token] for t in choice.logprobs.content]
+        if on_delta is not None and text:
+            on_delta(text, meta)
+        self.token_usage.add(meta)
         return text, meta
 
-    def select(self, prompt, messages, choices, method, temperature):
+    def select(self, prompt, messages, choices, method, temperature, call: Call = Call()):
         msgs = self._messages(messages, "select")
         r = self.client.chat.completions.create(model=self.model, messages=msgs, max_tokens=1, temperature=0,
                                                 logprobs=True, top_logprobs=20)
@@ -69,4 +72,8 @@ class OpenAI(Backend):
             raise ValueError("the OpenAI backend could not score any choice from the top-20 first tokens; "
                              "use choices that start differently, or a plait backend")
         index = max(range(len(choices)), key=lambda i: scores[i])
+        self.token_usage.add({"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens})
         return index, {"scores": scores, "method": "first_token_logprob"}
+
+    def get_model_name(self) -> str:
+        return self.model

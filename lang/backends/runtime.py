@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from plait.lang.backends.base import Backend, OnDelta, choose, unconditional_context
+from plait.lang.backends.base import Backend, Call, OnDelta, choose, unconditional_context
 from plait.lang.chat_template import ChatRoles, derive_roles
 
 
@@ -35,10 +35,13 @@ class Runtime(Backend):
     def roles(self) -> ChatRoles:
         return self._roles
 
-    def generate(self, prompt, messages, params, on_delta: OnDelta, return_logprob=False, top_logprobs_num=0):
-        kw = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num}
+    support_concate_and_append = True
+
+    def generate(self, prompt, messages, params, on_delta: OnDelta, call: Call = Call()):
+        kw = call.native_fields()
         if on_delta is None:
             out = self.engine.generate(prompt, params, **kw)
+            self.token_usage.add(out["meta_info"])
             return out["text"], out["meta_info"]
         text, meta, lps, tops = "", {}, [], []
         for snap in self.engine.generate(prompt, params, stream=True, **kw):
@@ -47,10 +50,10 @@ class Runtime(Backend):
             meta = snap["meta_info"]
             lps += meta.get("output_token_logprobs", [])
             tops += meta.get("output_top_logprobs", [])
-            if delta:
-                on_delta(delta)
-        if return_logprob:
+            on_delta(delta, meta)
+        if call.return_logprob:
             meta = {**meta, "output_token_logprobs": lps, **({"output_top_logprobs": tops} if tops else {})}
+        self.token_usage.add(meta)
         return text, meta
 
     def _choice_ids(self, context: str, choices: list[str]) -> tuple[list[list[int]], list[int]]:
@@ -64,23 +67,39 @@ class Runtime(Backend):
             starts.append(max(min(_lcp(head, full), len(full) - 1), 1))
         return ids, starts
 
-    def select(self, prompt, messages, choices, method, temperature):
+    def select(self, prompt, messages, choices, method, temperature, call: Call = Call()):
         ids, starts = self._choice_ids(prompt, choices)
         if method == "unconditional_likelihood_normalized":
             more, more_starts = self._choice_ids(unconditional_context(prompt), choices)
             ids, starts = ids + more, starts + more_starts
         # one batched prefill-only call scores every choice (the shared prompt is computed once)
         outs = self.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                                    logprob_start_len=starts)
+                                    logprob_start_len=starts, kv_joins=list(call.joins) or None)
         lps = [[e[0] for e in o["meta_info"]["input_token_logprobs"] if e[0] is not None] for o in outs]
         n = len(choices)
         index, meta = choose(method, lps[:n], lps[n:] if len(lps) > n else None)
         meta["prompt_tokens"] = sum(o["meta_info"]["prompt_tokens"] for o in outs)
         meta["cached_tokens"] = sum(o["meta_info"]["cached_tokens"] for o in outs)
+        self.token_usage.add(meta)
         return index, meta
 
-    def cache_prefix(self, prompt: str) -> None:
-        self.engine.generate(prompt, {"max_new_tokens": 0})
+    def cache_prefix(self, prompt: str, call: Call = Call()) -> None:
+        self.engine.generate(prompt, {"max_new_tokens": 0}, kv_joins=list(call.joins) or None)
+
+    def join_kv(self, fork_text: str, branch_texts: list[str], call: Call = Call()) -> dict | None:
+        return self.engine.join_kv(fork_text, branch_texts, kv_joins=list(call.joins) or None)
+
+    def get_model_name(self) -> str:
+        return self.engine.args.model_path
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_server_info(self) -> dict:
+        return self.engine.get_server_info()
+
+    def flush_cache(self) -> bool:
+        return self.engine.flush_cache()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

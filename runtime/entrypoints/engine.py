@@ -40,11 +40,13 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                  logprob_start_len: int | list[int] = -1, top_logprobs_num: int | list[int] = 0,
-                 stream: bool = False, return_text_in_logprobs: bool = False, rid: str | list[str] | None = None):
+                 stream: bool = False, return_text_in_logprobs: bool = False, rid: str | list[str] | None = None,
+                 kv_joins: list[str] | None = None):
         """A dict (single request), a list of dicts (batch, in input order), or with stream=True an
-        iterator of cumulative snapshots (batch snapshots carry "index")."""
+        iterator of snapshots (cumulative text; batch snapshots carry "index"). kv_joins: join ids
+        from join_kv whose KV the request may reuse."""
         inp = GenerateInput(prompt, input_ids, sampling_params, return_logprob, logprob_start_len, top_logprobs_num,
-                            return_text_in_logprobs, stream, rid)
+                            return_text_in_logprobs, stream, rid, kv_joins)
         if stream:
             return self._stream(inp)
         return self._checked(self._run(self.client.first(self.client.generate(inp))))
@@ -54,10 +56,11 @@ class Engine:
                              input_ids: list[int] | list[list[int]] | None = None,
                              return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] = -1,
                              top_logprobs_num: int | list[int] = 0, stream: bool = False,
-                             return_text_in_logprobs: bool = False, rid: str | list[str] | None = None):
+                             return_text_in_logprobs: bool = False, rid: str | list[str] | None = None,
+                             kv_joins: list[str] | None = None):
         """Async variant (any event loop); with stream=True returns an async iterator of snapshots."""
         inp = GenerateInput(prompt, input_ids, sampling_params, return_logprob, logprob_start_len, top_logprobs_num,
-                            return_text_in_logprobs, stream, rid)
+                            return_text_in_logprobs, stream, rid, kv_joins)
         if stream:
             return self._astream(inp)
         coro = self.client.first(self.client.generate(inp))
@@ -65,6 +68,11 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         self._loop.call_soon_threadsafe(self.client.abort, rid)
+
+    def join_kv(self, fork_text: str, branch_texts: list[str], kv_joins: list[str] | None = None) -> dict:
+        """concate_and_append: the KV of fork_text + all branch texts, built from each branch's own
+        KV (RuntimeClient.join_kv). Name the returned join_id in later calls' kv_joins."""
+        return self._checked(self._run(self.client.join_kv(fork_text, branch_texts, kv_joins)))
 
     def flush_cache(self) -> bool:
         return self._run(self.client.flush_cache())

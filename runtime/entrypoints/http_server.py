@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 _DISCONNECT_POLL = 0.5
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                  "return_text_in_logprobs", "stream", "rid"}
+                  "return_text_in_logprobs", "stream", "rid", "kv_joins"}
 
 
 _THREAD_PARSE_BYTES = 256 * 1024
@@ -62,6 +62,9 @@ class ServerState:
         self.metrics = metrics
         self.client: RuntimeClient | None = None
         self.model_name = served_model_name(args)
+        # names an OpenAI request may give for the one model served (others get a 404, as in vLLM)
+        base = os.path.basename(args.model_path.rstrip("/"))
+        self.model_aliases = {self.model_name, "default", args.model_path, base, os.path.splitext(base)[0]}
         self.on_death = lambda why: None  # replaced by launch_server to stop the process
         self.shutting_down = False
 
@@ -196,8 +199,20 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/concate_and_append_request")
     async def concate_and_append_request():
-        # the sglang frontend sends this on join; it resends the full text with its next call
+        # the sglang frontend sends this on join with ids the server never saw; it resends the full
+        # text with its next call. plait's own frontend uses /join_kv instead.
         return Response(status_code=200)
+
+    @app.post("/join_kv", openapi_extra=_join_kv_doc())
+    async def join_kv(request: Request):
+        """concate_and_append: {"fork_text", "branch_texts": [...], "kv_joins": [...]} -> {"join_id",
+        "input_ids", "reused"} (or {"join_id": null, "reason"}); later /generate calls that list
+        join_id in kv_joins reuse the joined KV."""
+        body = await read_json(request)
+        unknown = sorted(set(body) - {"fork_text", "branch_texts", "kv_joins"})
+        if unknown:
+            raise HTTPError(400, f"unknown field(s) in /join_kv: {', '.join(unknown)}")
+        return await state.client.join_kv(body.get("fork_text"), body.get("branch_texts"), body.get("kv_joins"))
 
     if args.enable_metrics:
         @app.get("/metrics")
@@ -238,7 +253,18 @@ def _generate_doc() -> dict:
         "logprob_start_len": one_or_many({"type": "integer", "minimum": -1}),
         "top_logprobs_num": one_or_many({"type": "integer", "minimum": 0}),
         "return_text_in_logprobs": {"type": "boolean"}, "stream": {"type": "boolean"},
-        "rid": one_or_many({"type": "string"})}}
+        "rid": one_or_many({"type": "string"}),
+        "kv_joins": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 64}, "maxItems": 64}}}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _join_kv_doc() -> dict:
+    joins = {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 64}, "maxItems": 64}
+    schema = {"type": "object", "additionalProperties": False, "required": ["fork_text", "branch_texts"],
+              "properties": {"fork_text": {"type": "string", "minLength": 1},
+                             "branch_texts": {"type": "array", "items": {"type": "string"}, "minItems": 2,
+                                              "maxItems": 64},
+                             "kv_joins": joins}}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 

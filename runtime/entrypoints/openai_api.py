@@ -35,7 +35,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
     async def completions(request: Request):
-        req = await _parse(request, CompletionRequest)
+        req = await _parse(request, CompletionRequest, state)
         client = state.client
         if req.echo and req.logprobs is not None:
             raise HTTPError(400, "echo with logprobs is not supported")
@@ -47,7 +47,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        req = await _parse(request, ChatCompletionRequest)
+        req = await _parse(request, ChatCompletionRequest, state)
         client = state.client
         msgs = await asyncio.to_thread(_chat_requests, client, req)  # templates and tokenizing off the loop
         states = client.submit(msgs)
@@ -55,13 +55,17 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         return await _respond(request, client, states, view)
 
 
-async def _parse(request: Request, model: type[BaseModel]):
-    """The body as `model`, strictly (no bool for an int, no string for a number); a 400 names each field."""
+async def _parse(request: Request, model: type[BaseModel], state: ServerState):
+    """The body as `model`, strictly (no bool for an int, no string for a number); a 400 names each
+    field, a 404 a model that is not served."""
     body = await read_json(request)
     try:
-        return model.model_validate(body, strict=True)
+        req = model.model_validate(body, strict=True)
     except ValidationError as e:
         raise HTTPError(400, validation_message(e.errors(include_url=False))) from None
+    if req.model is not None and req.model not in state.model_aliases:
+        raise HTTPError(404, f"The model `{req.model}` does not exist (this server serves `{state.model_name}`).")
+    return req
 
 
 def _body_doc(model: type[BaseModel]) -> dict:

@@ -30,6 +30,7 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, hf_config: Any, head_dim: int, rope_theta: float, max_positions: int, dtype: torch.dtype):
         super().__init__()
         inv_freq, scaling = rope_inv_freq(hf_config, head_dim, rope_theta)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         # HF computes angles as float32 products; do the same so logits match to ~1e-6
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -39,4 +40,14 @@ class RotaryEmbedding(torch.nn.Module):
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for a batch's positions, shaped [T, D] (gathered once per batch, not per layer)."""
         return self.cos[positions], self.sin[positions]
+
+    def shift_keys(self, k: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """Keys already rotated for position p, rotated on to p + shift: k [..., T, D], shift [T].
+        RoPE is a rotation, so this is exact up to rounding (an attention scaling stays as it was)."""
+        angles = shift.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
+        sin = torch.cat([angles.sin(), angles.sin()], dim=-1)
+        x = k.to(torch.float32)
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 

@@ -23,6 +23,7 @@ class TokenizedGenerateReq(msgspec.Struct, frozen=True, tag=True):
     top_logprobs_num: int = 0
     stream: bool = False
     group: str = ""  # sequences of one client request (a batch, n choices) share a group; "" alone
+    kv_joins: list[str] = []  # concate_and_append joins whose KV this request may reuse (JoinKVReq)
 
 
 class AbortReq(msgspec.Struct, frozen=True, tag=True):
@@ -69,6 +70,7 @@ class TokenOut(msgspec.Struct):
     input_logprobs: list[tuple[float | None, int]] = []
     input_top_logprobs: list[list[tuple[float, int]] | None] = []
     queue_time: float | None = None  # seconds waited before admission, on the request's first output
+    num_retractions: int = 0  # times the request was sent back to the queue to free KV
     decode: DecodeSpec | None = None  # on the request's first output
 
 
@@ -99,8 +101,19 @@ class ServerInfoReq(msgspec.Struct, frozen=True, tag=True):
     req_id: str
 
 
+class JoinKVReq(msgspec.Struct, frozen=True, tag=True):
+    """concate_and_append: build the KV of parts[0] + each later part's tokens after fork_len from
+    the parts' cached KV (they share their first fork_len tokens). The reply's info carries
+    join_id (for later requests' kv_joins), input_ids (the joined sequence) and reused, or reason."""
+
+    req_id: str
+    parts: list[list[int]]
+    fork_len: int
+    kv_joins: list[str] = []  # joins the parts themselves were computed under
+
+
 class ControlReply(msgspec.Struct, frozen=True, tag=True):
-    """The scheduler's answer to a FlushCacheReq or ServerInfoReq with the same req_id."""
+    """The scheduler's answer to a FlushCacheReq, ServerInfoReq or JoinKVReq with the same req_id."""
 
     req_id: str
     ok: bool
@@ -118,6 +131,6 @@ class SchedulerStats(msgspec.Struct, frozen=True, tag=True):
     gen_throughput: float  # output tokens per second over the last interval
 
 
-ToScheduler = TokenizedGenerateReq | AbortReq | FlushCacheReq | ServerInfoReq
+ToScheduler = TokenizedGenerateReq | AbortReq | FlushCacheReq | ServerInfoReq | JoinKVReq
 ToDetokenizer = BatchTokenOut | ControlReply | SchedulerStats
 ToClient = BatchStrOut | ControlReply | SchedulerStats

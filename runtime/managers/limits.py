@@ -43,6 +43,8 @@ def validate_request(msg: TokenizedGenerateReq, limits: RuntimeLimits) -> None:
         raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
     if not -1 <= msg.logprob_start_len <= INT64_MAX:
         raise ValueError("logprob_start_len must be >= -1 and fit in 64 bits")
+    if len(msg.kv_joins) > 64 or not all(0 < len(j) <= 64 for j in msg.kv_joins):
+        raise ValueError("kv_joins must be at most 64 join ids of 1 to 64 characters")
 
 
 def check_request_work(msgs: list[TokenizedGenerateReq], args, limits: RuntimeLimits) -> None:

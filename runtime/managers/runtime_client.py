@@ -4,7 +4,11 @@ detokenizer's outputs per request. Runs on an asyncio loop; the HTTP server and 
 
 Results have the shape of SGLang's /generate response:
     {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-     "completion_tokens", "cached_tokens", "e2e_latency", [logprobs...]}}
+     "completion_tokens", "cached_tokens", "reasoning_tokens", "num_retractions",
+     "weight_version", "e2e_latency", [logprobs..., "output_token_logprobs_length"]}}
+
+Streamed snapshots carry SGLang's split: output logprobs are the snapshot's own (its new
+tokens), everything else (counts, input logprobs, output_token_logprobs_length) is cumulative.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from plait.runtime.managers.io_struct import (
     ControlReply,
     FinishReason,
     FlushCacheReq,
+    JoinKVReq,
     SchedulerStats,
     ServerInfoReq,
     StrOut,
@@ -59,6 +64,7 @@ class RequestFailed(RuntimeError):
 
 # prompts of this many characters or more are tokenized on a worker thread, off the event loop
 _THREAD_TOKENIZE_CHARS = 4096
+_MAX_KV_JOINS = 64
 
 
 class GenerateInput:
@@ -67,7 +73,8 @@ class GenerateInput:
     def __init__(self, text: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None,
                  sampling_params: dict | list[dict] | None = None, return_logprob: bool | list[bool] = False,
                  logprob_start_len: int | list[int] = -1, top_logprobs_num: int | list[int] = 0,
-                 return_text_in_logprobs: bool = False, stream: bool = False, rid: str | list[str] | None = None):
+                 return_text_in_logprobs: bool = False, stream: bool = False, rid: str | list[str] | None = None,
+                 kv_joins: list[str] | None = None):
         check_json_value({"text": text, "rid": rid, "sampling_params": sampling_params})  # also for Engine callers
         if (text is None) == (input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
@@ -100,6 +107,18 @@ class GenerateInput:
         if len(set(rids)) != len(rids):
             raise ValueError("rid values must be unique")
         self.rids = rids
+        self.kv_joins = check_kv_joins(kv_joins)
+
+
+def check_kv_joins(kv_joins) -> list[str]:
+    """kv_joins: join ids from /join_kv (or Engine.join_kv) whose KV a request may reuse."""
+    if kv_joins is None:
+        return []
+    if (not isinstance(kv_joins, list) or len(kv_joins) > _MAX_KV_JOINS
+            or not all(isinstance(j, str) and 0 < len(j) <= 64 for j in kv_joins)):
+        raise ValueError(f"kv_joins must be a list of at most {_MAX_KV_JOINS} join ids (non-empty strings of "
+                         "at most 64 characters)")
+    return list(kv_joins)
 
 
 def _per_item(value, n: int, name: str, kind: type) -> list:
@@ -123,7 +142,8 @@ class ReqState:
         self.text = ""
         self.output_ids: list[int] = []
         self.finish: FinishReason | None = None
-        self.counts = {"prompt_tokens": len(msg.input_ids), "completion_tokens": 0, "cached_tokens": 0}
+        self.counts = {"prompt_tokens": len(msg.input_ids), "completion_tokens": 0, "cached_tokens": 0,
+                       "reasoning_tokens": 0, "num_retractions": 0}
         self.out_lp: list = []
         self.out_top: list = []
         self.in_lp: list = []
@@ -144,7 +164,8 @@ class ReqState:
         self.in_lp += o.input_logprobs
         self.in_top += o.input_top_logprobs
         self.counts = {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
-                       "cached_tokens": o.cached_tokens}
+                       "cached_tokens": o.cached_tokens, "reasoning_tokens": 0,  # no reasoning parser runs
+                       "num_retractions": o.num_retractions}
         if o.queue_time is not None:
             self.queue_time = o.queue_time
         if o.finish is not None:
@@ -219,7 +240,8 @@ class RuntimeClient:
         msgs = []
         for i, ids in enumerate(ids_list):
             msg = TokenizedGenerateReq(inp.rids[i], list(ids), inp.params[i], inp.return_logprob[i],
-                                       inp.logprob_start_len[i], inp.top_logprobs_num[i], inp.stream)
+                                       inp.logprob_start_len[i], inp.top_logprobs_num[i], inp.stream,
+                                       kv_joins=inp.kv_joins)
             validate_request(msg, self.limits)
             msgs.append(msg)
         return msgs
@@ -309,11 +331,12 @@ class RuntimeClient:
             "id": st.msg.rid,
             "finish_reason": st.finish.to_json() if st.finish else None,
             **st.counts,
+            "weight_version": "default",  # SGLang's value while no weights were updated (plait cannot)
             "e2e_latency": time.perf_counter() - st.created,
         }
         if st.msg.return_logprob:
             def part(key: str, items: list) -> list:
-                if not delta_logprobs:
+                if not delta_logprobs or key.startswith("in_"):  # input logprobs are cumulative, as in SGLang
                     return items
                 start = st.sent[key]
                 st.sent[key] = len(items)
@@ -325,6 +348,7 @@ class RuntimeClient:
 
             meta["input_token_logprobs"] = [lp(e) for e in part("in_lp", st.in_lp)]
             meta["output_token_logprobs"] = [lp(e) for e in part("out_lp", st.out_lp)]
+            meta["output_token_logprobs_length"] = len(st.out_lp)
             if st.msg.top_logprobs_num:
                 meta["input_top_logprobs"] = [None if t is None else [lp(e) for e in t]
                                               for t in part("in_top", st.in_top)]
@@ -334,6 +358,36 @@ class RuntimeClient:
     def abort(self, rid: str) -> None:
         if self.dead is None:
             self._out.send(self._enc.encode(AbortReq(rid)))
+
+    async def join_kv(self, fork_text: str, branch_texts: list[str], kv_joins: list[str] | None = None) -> dict:
+        """concate_and_append: the KV of fork_text + branch_texts[0] + branch_texts[1] + ... built
+        from each branch's own KV (no forward over what the branches computed). Each fork_text +
+        branch text is prefilled first (mostly cache hits). Returns {"join_id", "input_ids",
+        "reused"}: later requests that name join_id in kv_joins reuse the joined KV; or
+        {"join_id": None, "reason"} where it cannot (the caller then sends the joined text as usual)."""
+        joins = check_kv_joins(kv_joins)
+        if not isinstance(fork_text, str) or not fork_text:
+            raise ValueError("fork_text must be a non-empty string")
+        if (not isinstance(branch_texts, list) or not 2 <= len(branch_texts) <= 64
+                or not all(isinstance(t, str) for t in branch_texts)):
+            raise ValueError("branch_texts must be a list of 2 to 64 strings")
+        if self.tokenizer is None:
+            raise ValueError("join_kv needs a tokenizer (the server runs with skip_tokenizer_init)")
+        def encode_all() -> tuple[list[int], list[list[int]]]:
+            return self.encode(fork_text, "fork_text"), [self.encode(fork_text + t, "branch_texts") for t in branch_texts]
+
+        long = len(fork_text) * len(branch_texts) >= _THREAD_TOKENIZE_CHARS
+        fork, parts = await asyncio.to_thread(encode_all) if long else encode_all()
+        if any(p[: len(fork)] != fork for p in parts):  # a branch's first token merged with the fork's last
+            return {"join_id": None, "reason": "a branch text changes how the fork text tokenizes"}
+        prefill = GenerateInput(input_ids=parts, sampling_params={"max_new_tokens": 0}, kv_joins=joins)
+        states = self.submit(self.tokenize(prefill))
+        async for _ in self.results(states, stream=False, single=False):
+            pass
+        reply = await self._control(JoinKVReq(uuid.uuid4().hex, parts, len(fork), joins))
+        if not reply.ok:
+            return {"join_id": None, "reason": reply.info.get("reason", "")}
+        return dict(reply.info)
 
     async def flush_cache(self) -> bool:
         return (await self._control(FlushCacheReq(uuid.uuid4().hex))).ok

@@ -82,6 +82,14 @@ class ModelRunner:
         # logits came out in extend-then-decode order; put them back in item order
         return logits if order is None else logits[order]
 
+    @torch.inference_mode()
+    def copy_kv(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
+        """Copy the KV of slots `src` to slots `dst`, its keys moved on by `shift` positions (a KV join)."""
+        pool, rotary = self.kv_pool, self.model.rotary
+        for k, v in zip(pool.k, pool.v):  # [kv_heads, slots, head_dim] per layer
+            k[:, dst] = rotary.shift_keys(k[:, src], shift).to(k.dtype)
+            v[:, dst] = v[:, src]
+
     def build_batch(self, items: list[WorkItem]) -> tuple[ForwardBatch, torch.Tensor | None]:
         ext = [i for i, it in enumerate(items) if len(it.tokens) > 1]
         dec = [i for i, it in enumerate(items) if len(it.tokens) == 1]

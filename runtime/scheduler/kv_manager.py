@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 
 from plait.radix_cache import KVAllocator, NoCache, RadixCache, ReqToTokenPool
 from plait.runtime.scheduler.req import Req
+
+
+class JoinResult(NamedTuple):
+    ok: bool
+    reason: str = ""  # why not, when not ok
+    input_ids: list[int] = []  # the joined sequence
+    reused: int = 0  # its tokens whose KV came from the cache (all of them when ok)
 
 
 class KVManager:
@@ -26,7 +35,7 @@ class KVManager:
 
     def match_len(self, req: Req) -> int:
         """How many tokens admission would take from the cache (for lpm ordering)."""
-        return min(len(self.cache.match_prefix(req.fill_ids).indices), req.max_prefix_match())
+        return min(len(self.cache.match_prefix(req.fill_ids, joins=req.kv_joins).indices), req.max_prefix_match())
 
     def admit(self, req: Req) -> bool:
         """Give the request a row and its cached prefix. False if no row is free."""
@@ -35,7 +44,7 @@ class KVManager:
             return False
         limit = req.max_prefix_match()
         limit -= limit % self.page_size
-        match = self.cache.match_prefix(req.fill_ids[:limit], count=True)
+        match = self.cache.match_prefix(req.fill_ids[:limit], count=True, joins=req.kv_joins)
         m = len(match.indices)
         self.table[row, :m] = match.indices
         self.cache.lock(match.node)
@@ -70,10 +79,10 @@ class KVManager:
             return
         key = req.fill_ids[:aligned]
         slots = self.table[req.row, :aligned]
-        present = self.cache.insert(key, slots)
+        present = self.cache.insert(key, slots, joins=req.kv_joins)
         if present > req.tree_len:  # another request cached these first: ours are duplicates
             self.allocator.free(slots[req.tree_len : present].clone())
-        match = self.cache.match_prefix(key)
+        match = self.cache.match_prefix(key, joins=req.kv_joins)
         self.table[req.row, :aligned] = match.indices
         self.cache.lock(match.node)
         self.cache.unlock(req.last_node)
@@ -90,6 +99,46 @@ class KVManager:
         self.req_to_token.free(req.row)
         req.row, req.last_node = None, None
         req.cached_len = req.tree_len = req.alloc_len = 0
+
+    def join(self, parts: list[list[int]], fork_len: int, joins: tuple[str, ...], join_id: str,
+             copy_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]) -> JoinResult:
+        """concate_and_append: the KV of parts[0] + parts[1][fork_len:] + parts[2][fork_len:] + ...
+        from each part's cached KV, without a forward. Every part starts with the same fork_len
+        tokens and must be cached whole (the client prefilled them). parts[0] is reused in place;
+        the later parts' KV is copied to new slots by `copy_kv(src, dst, shift)` (keys re-rotated
+        by `shift` positions) and filed under a join edge, so only requests naming `join_id` use it."""
+        if not self.use_cache or self.page_size != 1:
+            return JoinResult(False, "needs the radix cache with page size 1")
+        if not parts or any(p[:fork_len] != parts[0][:fork_len] for p in parts) or fork_len < 1:
+            return JoinResult(False, "the parts do not share the fork prefix")
+        matches = [self.cache.match_prefix(p, joins=joins) for p in parts]
+        if any(len(m.indices) < len(p) for m, p in zip(matches, parts)):
+            return JoinResult(False, "a branch's KV is no longer cached")
+        for m in matches:  # keep them while slots are found (eviction may run)
+            self.cache.lock(m.node)
+        try:
+            tails = [p[fork_len:] for p in parts[1:]]
+            n = sum(len(t) for t in tails)
+            joined = parts[0] + [t for tail in tails for t in tail]
+            if n == 0:
+                return JoinResult(True, "", joined, len(parts[0]))
+            if self.allocator.free_slots < n:
+                self.cache.evict(n - self.allocator.free_slots)
+            dst = self.allocator.alloc_pages(n)
+            if dst is None:
+                return JoinResult(False, "the KV pool is full")
+            src = torch.cat([m.indices[fork_len:] for m in matches[1:]])
+            shift, offset = [], len(parts[0])
+            for tail in tails:  # a tail moves from fork_len onward to after what precedes it
+                shift += [offset - fork_len] * len(tail)
+                offset += len(tail)
+            copy_kv(src, dst, torch.tensor(shift, dtype=torch.int64))
+            # match_prefix ends on a node, so parts[0]'s path ends exactly at its node
+            self.cache.insert_join(matches[0].node, join_id, joined[len(parts[0]):], dst)
+            return JoinResult(True, "", joined, len(joined))
+        finally:
+            for m in matches:
+                self.cache.unlock(m.node)
 
     def flush(self) -> bool:
         """Drop the whole cache; only allowed when no request holds any of it."""

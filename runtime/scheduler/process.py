@@ -22,6 +22,7 @@ from plait.runtime.managers.io_struct import (
     ControlReply,
     FinishReason,
     FlushCacheReq,
+    JoinKVReq,
     SchedulerStats,
     ServerInfoReq,
     TokenizedGenerateReq,
@@ -114,6 +115,13 @@ class _Loop:
             self.out.send(ControlReply(msg.req_id, s.flush_cache()))
         elif isinstance(msg, ServerInfoReq):
             self.out.send(ControlReply(msg.req_id, True, s.stats(check=True)))
+        elif isinstance(msg, JoinKVReq):
+            try:
+                info = s.join_kv(msg)
+            except Exception as e:  # noqa: BLE001 - a bug in one join fails that join, not the server
+                logger.exception("join %s failed", msg.req_id)
+                info = {"reason": f"internal error: {type(e).__name__}: {e}"}
+            self.out.send(ControlReply(msg.req_id, "join_id" in info, info))
 
     def _send_stats(self, force: bool) -> None:
         now = time.perf_counter()

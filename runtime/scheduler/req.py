@@ -29,6 +29,7 @@ class Req:
         self.return_logprob = msg.return_logprob
         self.logprob_start_len = msg.logprob_start_len
         self.top_logprobs_num = msg.top_logprobs_num
+        self.kv_joins: tuple[str, ...] = tuple(msg.kv_joins)
         self.generator = torch.Generator().manual_seed(msg.sampling_params.seed if msg.sampling_params.seed is not None else seed)
 
         self.grammar = None  # Matcher once compiled (constrained requests)
@@ -41,6 +42,7 @@ class Req:
         self.alloc_len = 0
         self.extend_len = 0
         self.cached_tokens = -1  # prompt tokens served from the radix cache at admission; -1 until admitted
+        self.num_retractions = 0
         self.finish: FinishReason | None = None
         self.arrival = time.perf_counter()
         self.queue_time: float | None = None  # set at first admission

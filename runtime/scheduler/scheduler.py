@@ -19,7 +19,8 @@ from typing import Callable, Iterator
 import torch
 
 from plait.radix_cache.radix_cache import common_prefix_len
-from plait.runtime.managers.io_struct import AbortReq, DecodeSpec, FinishReason, TokenizedGenerateReq, TokenOut
+from plait.runtime.managers.io_struct import (AbortReq, DecodeSpec, FinishReason, JoinKVReq, TokenizedGenerateReq,
+                                             TokenOut)
 from plait.runtime.managers.limits import RuntimeLimits, validate_request
 from plait.runtime.model_executor.model_runner import ModelRunner, WorkItem
 from plait.runtime.sampling import SampleRow, sample
@@ -58,6 +59,7 @@ class Scheduler:
         self._seed_counter = args.random_seed
         self.num_retracted = 0
         self.num_failed = 0  # requests ended by a fault of their own (status 500)
+        self.num_kv_joins = 0
         self.forward_passes = 0
         self.tokens_generated = 0
         self.grammars = GrammarManager(args, self.tokenizer, runner.config.vocab_size, sorted(eos))
@@ -146,6 +148,7 @@ class Scheduler:
         self.running.remove(req)
         self.waiting.insert(0, req)
         self.num_retracted += 1
+        req.num_retractions += 1
         self.new_token_ratio = _RATIO_INIT
         logger.debug("retracted %s at %d tokens", req.rid, req.seq_len)
 
@@ -384,6 +387,7 @@ class Scheduler:
             input_logprobs=req.pending_input_logprobs,
             input_top_logprobs=req.pending_input_top,
             queue_time=None if req.queue_time_sent else req.queue_time,
+            num_retractions=req.num_retractions,
             decode=None if req.decode_sent else DecodeSpec(p.stop, p.skip_special_tokens, p.no_stop_trim,
                                                            p.spaces_between_special_tokens),
         )
@@ -392,6 +396,19 @@ class Scheduler:
         req.pending_ids, req.pending_logprobs, req.pending_top = [], [], []
         req.pending_input_logprobs, req.pending_input_top = [], []
         return out
+
+    def join_kv(self, msg: JoinKVReq) -> dict:
+        """concate_and_append (KVManager.join): {"join_id", "input_ids", "reused"} or {"reason"}."""
+        if len(msg.parts) < 2 or any(len(p) > self.context_length for p in msg.parts):
+            return {"reason": "a join needs two or more parts within the context length"}
+        if sum(len(p) - msg.fork_len for p in msg.parts) + msg.fork_len > self.context_length:
+            return {"reason": "the joined text is longer than the context length"}
+        join_id = msg.req_id
+        res = self.kv.join(msg.parts, msg.fork_len, tuple(msg.kv_joins), join_id, self.runner.copy_kv)
+        if not res.ok:
+            return {"reason": res.reason}
+        self.num_kv_joins += 1
+        return {"join_id": join_id, "input_ids": res.input_ids, "reused": res.reused}
 
     # ---- introspection --------------------------------------------------------------
     def flush_cache(self) -> bool:
@@ -412,6 +429,7 @@ class Scheduler:
             "kernels": self.runner.kernels,
             "num_retracted": self.num_retracted,
             "num_failed": self.num_failed,
+            "num_kv_joins": self.num_kv_joins,
             # the KV accounting checked end to end, when nothing runs (None while busy)
             "kv_check": (self.kv.check() or "ok") if check and self.idle else None,
             "forward_passes": self.forward_passes,
