@@ -129,9 +129,9 @@ class ProgramState:
         return ForkGroup(self, [ProgramState(self.backend, self.defaults, parent=self) for _ in range(size)])
 
     @contextmanager
-    def copy(self) -> Iterator["ProgramState"]:
+    def copy(self, position_ids_offset: Any = None) -> Iterator["ProgramState"]:
         """`with s.copy() as c:` a one-branch fork, joined (its variables gathered) on exit."""
-        group = self.fork(1)
+        group = self.fork(1, position_ids_offset)
         try:
             yield group[0]
         finally:

@@ -175,38 +175,6 @@ def test_tool_use_with_select(backend):
     assert s["tool"] in TOOLS and s["input"] is not None
 
 
-@pl.function
-def react(s, question):
-    s += ("Answer the question by thinking and acting. Actions: Search[term], Finish[answer].\n"
-          f"Question: {question}\n")
-    for step in range(2):
-        s += f"Thought {step + 1}: " + pl.gen(f"thought{step}", max_tokens=16, stop="\n", temperature=0) + "\n"
-        s += f"Action {step + 1}: " + pl.select(f"action{step}", ["Search", "Finish"]) + "["
-        s += pl.gen(f"arg{step}", max_tokens=8, stop="]", temperature=0) + "]\n"
-        if s[f"action{step}"] == "Finish":
-            break
-        s += f"Observation {step + 1}: Paris is the capital and largest city of France.\n"
-
-
-def test_react_agent(backend):
-    s = react.run(question="What is the capital of France?", backend=backend)
-    assert s["action0"] in ("Search", "Finish") and "Thought 1:" in s.text()
-
-
-@pl.function
-def parallel_decode(s, topic):
-    s += f"Three facts about {topic}.\n"
-    forks = s.fork(3)
-    for i, f in enumerate(forks):
-        f += f"Fact {i + 1}: " + pl.gen("fact", max_tokens=12, stop="\n", temperature=0.8, seed=i)
-    forks.join()
-
-
-def test_parallel_decoding(backend):
-    s = parallel_decode.run(topic="the moon", backend=backend)
-    assert len(s["fact"]) == 3 and all(isinstance(f, str) for f in s["fact"])
-
-
 SHARED = ("You are a librarian. Classify each book title into one genre. Genres: fiction, history, science, "
           "cooking, travel. Examples: 'The Joy of Baking' -> cooking; 'A Brief History of Rome' -> history; "
           "'Lonely Planet Peru' -> travel; 'The Selfish Gene' -> science; 'Pride and Prejudice' -> fiction.\n")

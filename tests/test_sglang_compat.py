@@ -14,6 +14,7 @@ two clients.
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -28,6 +29,35 @@ import plait as pl
 from conftest import THREADS
 
 pytest.importorskip("sglang")
+
+
+REMOTE_API_BACKENDS = {"Anthropic", "Crusoe", "LiteLLM", "VertexAI"}
+
+
+def _public(tree: ast.Module, cls: str) -> set[str]:
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and (not f.name.startswith("_") or f.name in ("__iadd__", "__getitem__", "__setitem__", "__contains__",
+                                                          "__call__"))}
+
+
+def test_every_public_name_and_method_of_sglang_lang_exists():
+    """Read from the installed sglang's sources, so a new SGLang name fails here first."""
+    root = sglang_programs.programs_file().parent.parent
+    init = ast.parse((root / "__init__.py").read_text())
+    names = next(ast.literal_eval(n.value) for n in init.body if isinstance(n, ast.Assign)
+                 and any(getattr(t, "id", None) == "__all__" for t in n.targets))
+    missing = [n for n in names if n not in REMOTE_API_BACKENDS and not hasattr(pl, n)]
+    assert not missing, missing
+    interp = ast.parse((root / "lang" / "interpreter.py").read_text())
+    ir = ast.parse((root / "lang" / "ir.py").read_text())
+    for theirs, ours in ((_public(interp, "ProgramState"), pl.ProgramState),
+                         (_public(interp, "ProgramStateGroup"), pl.ProgramStateGroup),
+                         (_public(ir, "SglFunction"), pl.SglFunction)):
+        assert theirs and not [m for m in theirs if not hasattr(ours, m)], (ours, theirs)
+    regexes = {t.id for n in ir.body if isinstance(n, ast.Assign) for t in n.targets
+               if getattr(t, "id", "").startswith("REGEX_")}
+    assert regexes and all(hasattr(pl.lang.ir, r) for r in regexes)
 
 
 def test_sglang_test_programs_run_on_plait():
