@@ -25,6 +25,8 @@ from server_util import Server
 SCALE = int(os.environ.get("PLAIT_FUZZ_SCALE", "1"))
 FUZZ_SETTINGS = settings(max_examples=40 * SCALE, deadline=None, derandomize=True, database=None,
                          suppress_health_check=list(HealthCheck))
+# each example compiles a new grammar: fewer of them by default
+GRAMMAR_FUZZ_SETTINGS = settings(FUZZ_SETTINGS, max_examples=24 * SCALE)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +151,7 @@ regex = st.lists(st.tuples(st.sampled_from(ATOMS), st.sampled_from(QUANTIFIERS))
                           for a, q in parts))
 
 
-@FUZZ_SETTINGS
+@GRAMMAR_FUZZ_SETTINGS
 @given(pattern=regex)
 def test_fuzz_non_bmp_regexes(http, pattern):
     r = _post(http, "/generate", {"text": "Say it:", "sampling_params": {"regex": pattern, "max_new_tokens": 12,
@@ -160,7 +162,7 @@ def test_fuzz_non_bmp_regexes(http, pattern):
         assert re.fullmatch(pattern, out["text"]), (pattern, out["text"])
 
 
-@FUZZ_SETTINGS
+@GRAMMAR_FUZZ_SETTINGS
 @given(pattern=regex, enum=st.lists(st.sampled_from(["🐲", "dragon 🐲", "ünïcode", "中文", "😀😀"]), min_size=1, max_size=3,
                                     unique=True))
 def test_fuzz_non_bmp_schemas(http, pattern, enum):
