@@ -38,14 +38,15 @@ def rope_store_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     q = qkv[:, : heads * d].view(t, heads, d)
     k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)
     v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        half = d // 2
-        return x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[:, None]
-
-    k_pool.index_copy_(1, slots, rotate(k).transpose(0, 1).to(k_pool.dtype))
+    k_pool.index_copy_(1, slots, rotate_half_rope(k, cos[:, None], sin[:, None]).transpose(0, 1).to(k_pool.dtype))
     v_pool.index_copy_(1, slots, v.transpose(0, 1).to(v_pool.dtype))
-    return rotate(q)
+    return rotate_half_rope(q, cos[:, None], sin[:, None])
+
+
+def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE of x [..., D] by cos, sin broadcastable to x."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 _STORE_FORMATS = {dtype: FORMATS[dtype] for dtype in (torch.float32, torch.bfloat16)}  # pools rope_store writes

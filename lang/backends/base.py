@@ -6,7 +6,7 @@ import math
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from plait.lang.chat_template import ChatRoles
 
@@ -31,9 +31,26 @@ class Call:
                      "return_text_in_logprobs": self.return_text_in_logprobs}
         if self.logprob_start_len is not None:
             out["logprob_start_len"] = self.logprob_start_len
-        if self.joins:
-            out["kv_joins"] = list(self.joins)
-        return out
+        return {**out, **self.join_fields()}
+
+    def join_fields(self) -> dict:
+        """`kv_joins` for a native body or Engine.generate, when the call names any join."""
+        return {"kv_joins": list(self.joins)} if self.joins else {}
+
+
+def gather_stream(snapshots: Iterable[dict], on_delta: Callable[[str, dict], None], call: Call) -> tuple[str, dict]:
+    """Feed a native stream's snapshots (cumulative text, each with its own output logprobs) to
+    on_delta as pieces; returns the whole text and the last meta_info with all output logprobs."""
+    text, meta, lps, tops = "", {}, [], []
+    for snap in snapshots:
+        delta = snap["text"][len(text):]
+        text, meta = snap["text"], snap["meta_info"]
+        lps += meta.get("output_token_logprobs") or []
+        tops += meta.get("output_top_logprobs") or []
+        on_delta(delta, meta)
+    if call.return_logprob:
+        meta = {**meta, "output_token_logprobs": lps, **({"output_top_logprobs": tops} if tops else {})}
+    return text, meta
 
 
 class TokenUsage:

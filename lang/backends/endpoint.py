@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from plait.lang.backends.base import Backend, Call, OnDelta, choose, unconditional_context
+from plait.lang.backends.base import Backend, Call, OnDelta, choose, gather_stream, unconditional_context
 from plait.lang.chat_template import CHATML, ChatRoles, derive_roles, jinja_render
 
 
@@ -52,10 +52,15 @@ class RuntimeEndpoint(Backend):
         body = {"text": prompt, "sampling_params": params, **call.native_fields()}
         if on_delta is None:
             out = self._post(body)
-            self.token_usage.add(out["meta_info"])
-            return out["text"], out["meta_info"]
-        text, meta, lps, tops = "", {}, [], []
-        with self.client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+            text, meta = out["text"], out["meta_info"]
+        else:
+            text, meta = gather_stream(self._snapshots({**body, "stream": True}), on_delta, call)
+        self.token_usage.add(meta)
+        return text, meta
+
+    def _snapshots(self, body: dict):
+        """A streamed /generate's events, parsed."""
+        with self.client.stream("POST", "/generate", json=body) as r:
             if r.status_code >= 400:
                 r.read()
                 self._check(r)
@@ -65,18 +70,10 @@ class RuntimeEndpoint(Backend):
                 snap = json.loads(line[6:])
                 if "error" in snap:
                     raise ValueError(snap["error"]["message"])
-                delta = snap["text"][len(text):]
-                text, meta = snap["text"], snap["meta_info"]
-                lps += meta.get("output_token_logprobs") or []
-                tops += meta.get("output_top_logprobs") or []
-                on_delta(delta, meta)
-        if call.return_logprob:
-            meta = {**meta, "output_token_logprobs": lps, **({"output_top_logprobs": tops} if tops else {})}
-        self.token_usage.add(meta)
-        return text, meta
+                yield snap
 
     def _choice_logprobs(self, context: str, choices: list[str], call: Call) -> list[list[float]]:
-        joins = {"kv_joins": list(call.joins)} if call.joins else {}
+        joins = call.join_fields()
         # the context alone first: its length, its last token, and it lands in the prefix cache
         head = self._post({"text": context, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
                            "logprob_start_len": 0, **joins})
@@ -104,12 +101,10 @@ class RuntimeEndpoint(Backend):
         return choose(method, lps, unc)
 
     def cache_prefix(self, prompt: str, call: Call = Call()) -> None:
-        joins = {"kv_joins": list(call.joins)} if call.joins else {}
-        self._post({"text": prompt, "sampling_params": {"max_new_tokens": 0}, **joins})
+        self._post({"text": prompt, "sampling_params": {"max_new_tokens": 0}, **call.join_fields()})
 
     def join_kv(self, fork_text: str, branch_texts: list[str], call: Call = Call()) -> dict | None:
-        out = self._post({"fork_text": fork_text, "branch_texts": branch_texts, "kv_joins": list(call.joins)},
-                         "/join_kv")
+        out = self._post({"fork_text": fork_text, "branch_texts": branch_texts, **call.join_fields()}, "/join_kv")
         return out if out.get("join_id") else None
 
     def get_model_name(self) -> str:

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import functools
 
-from plait.lang.backends.base import Backend, Call, OnDelta, choose, unconditional_context
+from plait.lang.backends.base import Backend, Call, OnDelta, choose, gather_stream, unconditional_context
 from plait.lang.chat_template import ChatRoles, derive_roles
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Runtime(Backend):
     """`Runtime(model_path=None, **server_args)`: the same runtime `plait serve` runs, in child
     processes of this one. `shutdown()` stops them."""
+
+    support_concate_and_append = True
 
     def __init__(self, model_path: str | None = None, **server_args):
         from plait.runtime.entrypoints.engine import Engine
@@ -35,36 +28,26 @@ class Runtime(Backend):
     def roles(self) -> ChatRoles:
         return self._roles
 
-    support_concate_and_append = True
-
     def generate(self, prompt, messages, params, on_delta: OnDelta, call: Call = Call()):
         kw = call.native_fields()
         if on_delta is None:
             out = self.engine.generate(prompt, params, **kw)
-            self.token_usage.add(out["meta_info"])
-            return out["text"], out["meta_info"]
-        text, meta, lps, tops = "", {}, [], []
-        for snap in self.engine.generate(prompt, params, stream=True, **kw):
-            delta = snap["text"][len(text):]
-            text = snap["text"]
-            meta = snap["meta_info"]
-            lps += meta.get("output_token_logprobs", [])
-            tops += meta.get("output_top_logprobs", [])
-            on_delta(delta, meta)
-        if call.return_logprob:
-            meta = {**meta, "output_token_logprobs": lps, **({"output_top_logprobs": tops} if tops else {})}
+            text, meta = out["text"], out["meta_info"]
+        else:
+            text, meta = gather_stream(self.engine.generate(prompt, params, stream=True, **kw), on_delta, call)
         self.token_usage.add(meta)
         return text, meta
 
     def _choice_ids(self, context: str, choices: list[str]) -> tuple[list[list[int]], list[int]]:
         """Token ids of context+choice and where the choice's tokens start (boundary merges included)."""
+        from plait.radix_cache.radix_cache import common_prefix_len  # here: `import plait.lang` stays torch-free
         tok = self.tokenizer
         head = tok.encode(context)
         ids, starts = [], []
         for c in choices:
             full = tok.encode(context + c)
             ids.append(full)
-            starts.append(max(min(_lcp(head, full), len(full) - 1), 1))
+            starts.append(max(min(common_prefix_len(head, full), len(full) - 1), 1))
         return ids, starts
 
     def select(self, prompt, messages, choices, method, temperature, call: Call = Call()):
@@ -74,7 +57,7 @@ class Runtime(Backend):
             ids, starts = ids + more, starts + more_starts
         # one batched prefill-only call scores every choice (the shared prompt is computed once)
         outs = self.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                                    logprob_start_len=starts, kv_joins=list(call.joins) or None)
+                                    logprob_start_len=starts, **call.join_fields())
         lps = [[e[0] for e in o["meta_info"]["input_token_logprobs"] if e[0] is not None] for o in outs]
         n = len(choices)
         index, meta = choose(method, lps[:n], lps[n:] if len(lps) > n else None)
@@ -84,10 +67,10 @@ class Runtime(Backend):
         return index, meta
 
     def cache_prefix(self, prompt: str, call: Call = Call()) -> None:
-        self.engine.generate(prompt, {"max_new_tokens": 0}, kv_joins=list(call.joins) or None)
+        self.engine.generate(prompt, {"max_new_tokens": 0}, **call.join_fields())
 
     def join_kv(self, fork_text: str, branch_texts: list[str], call: Call = Call()) -> dict | None:
-        return self.engine.join_kv(fork_text, branch_texts, kv_joins=list(call.joins) or None)
+        return self.engine.join_kv(fork_text, branch_texts, **call.join_fields())
 
     def get_model_name(self) -> str:
         return self.engine.args.model_path

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plait.runtime.entrypoints.http_guard import BodyError, Guard, error_body, parse_json_body
 from plait.runtime.managers.launcher import RuntimeProcesses
+from plait.runtime.managers.limits import MAX_JOIN_ID_CHARS, MAX_KV_JOINS
 from plait.runtime.server_args import ServerArgs
 from plait.runtime.managers.runtime_client import GenerateInput, QueueFull, RequestFailed, RuntimeClient, RuntimeDead
 
@@ -253,18 +254,21 @@ def _generate_doc() -> dict:
         "logprob_start_len": one_or_many({"type": "integer", "minimum": -1}),
         "top_logprobs_num": one_or_many({"type": "integer", "minimum": 0}),
         "return_text_in_logprobs": {"type": "boolean"}, "stream": {"type": "boolean"},
-        "rid": one_or_many({"type": "string"}),
-        "kv_joins": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 64}, "maxItems": 64}}}
+        "rid": one_or_many({"type": "string"}), "kv_joins": _kv_joins_schema()}}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
+def _kv_joins_schema() -> dict:
+    return {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": MAX_JOIN_ID_CHARS},
+            "maxItems": MAX_KV_JOINS}
+
+
 def _join_kv_doc() -> dict:
-    joins = {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 64}, "maxItems": 64}
     schema = {"type": "object", "additionalProperties": False, "required": ["fork_text", "branch_texts"],
               "properties": {"fork_text": {"type": "string", "minLength": 1},
                              "branch_texts": {"type": "array", "items": {"type": "string"}, "minItems": 2,
                                               "maxItems": 64},
-                             "kv_joins": joins}}
+                             "kv_joins": _kv_joins_schema()}}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from plait.kernels.cpu_fused import rotate_half_rope
+
 
 def rope_inv_freq(hf_config: Any, head_dim: int, rope_theta: float) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling; scaled variants (llama3, yarn, linear, ...)
@@ -47,7 +49,5 @@ class RotaryEmbedding(torch.nn.Module):
         angles = shift.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
         sin = torch.cat([angles.sin(), angles.sin()], dim=-1)
-        x = k.to(torch.float32)
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+        return rotate_half_rope(k.to(torch.float32), cos, sin)
 

@@ -13,6 +13,8 @@ from plait.runtime.sampling.params import INT64_MAX
 
 MAX_TOP_LOGPROBS = 20  # the hard ceiling; --max-top-logprobs may set a lower one
 MAX_JSON_DEPTH = 64
+MAX_KV_JOINS = 64  # join ids one request may name
+MAX_JOIN_ID_CHARS = 64
 
 
 class RuntimeLimits(msgspec.Struct, frozen=True):
@@ -43,8 +45,18 @@ def validate_request(msg: TokenizedGenerateReq, limits: RuntimeLimits) -> None:
         raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
     if not -1 <= msg.logprob_start_len <= INT64_MAX:
         raise ValueError("logprob_start_len must be >= -1 and fit in 64 bits")
-    if len(msg.kv_joins) > 64 or not all(0 < len(j) <= 64 for j in msg.kv_joins):
-        raise ValueError("kv_joins must be at most 64 join ids of 1 to 64 characters")
+    check_kv_joins(msg.kv_joins)
+
+
+def check_kv_joins(kv_joins: Any) -> list[str]:
+    """kv_joins: join ids from /join_kv (or Engine.join_kv) whose KV a request may reuse."""
+    if kv_joins is None:
+        return []
+    if (not isinstance(kv_joins, list) or len(kv_joins) > MAX_KV_JOINS
+            or not all(isinstance(j, str) and 0 < len(j) <= MAX_JOIN_ID_CHARS for j in kv_joins)):
+        raise ValueError(f"kv_joins must be a list of at most {MAX_KV_JOINS} join ids (non-empty strings of "
+                         f"at most {MAX_JOIN_ID_CHARS} characters)")
+    return list(kv_joins)
 
 
 def check_request_work(msgs: list[TokenizedGenerateReq], args, limits: RuntimeLimits) -> None:

@@ -37,7 +37,7 @@ from plait.runtime.managers.io_struct import (
     ToClient,
 )
 from plait.runtime.managers.launcher import RuntimeProcesses
-from plait.runtime.managers.limits import check_json_value, check_request_work, validate_request
+from plait.runtime.managers.limits import check_json_value, check_kv_joins, check_request_work, validate_request
 from plait.runtime.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,6 @@ class RequestFailed(RuntimeError):
 
 # prompts of this many characters or more are tokenized on a worker thread, off the event loop
 _THREAD_TOKENIZE_CHARS = 4096
-_MAX_KV_JOINS = 64
 
 
 class GenerateInput:
@@ -108,17 +107,6 @@ class GenerateInput:
             raise ValueError("rid values must be unique")
         self.rids = rids
         self.kv_joins = check_kv_joins(kv_joins)
-
-
-def check_kv_joins(kv_joins) -> list[str]:
-    """kv_joins: join ids from /join_kv (or Engine.join_kv) whose KV a request may reuse."""
-    if kv_joins is None:
-        return []
-    if (not isinstance(kv_joins, list) or len(kv_joins) > _MAX_KV_JOINS
-            or not all(isinstance(j, str) and 0 < len(j) <= 64 for j in kv_joins)):
-        raise ValueError(f"kv_joins must be a list of at most {_MAX_KV_JOINS} join ids (non-empty strings of "
-                         "at most 64 characters)")
-    return list(kv_joins)
 
 
 def _per_item(value, n: int, name: str, kind: type) -> list:
@@ -380,10 +368,8 @@ class RuntimeClient:
         fork, parts = await asyncio.to_thread(encode_all) if long else encode_all()
         if any(p[: len(fork)] != fork for p in parts):  # a branch's first token merged with the fork's last
             return {"join_id": None, "reason": "a branch text changes how the fork text tokenizes"}
-        prefill = GenerateInput(input_ids=parts, sampling_params={"max_new_tokens": 0}, kv_joins=joins)
-        states = self.submit(self.tokenize(prefill))
-        async for _ in self.results(states, stream=False, single=False):
-            pass
+        await self.first(self.generate(GenerateInput(input_ids=parts, sampling_params={"max_new_tokens": 0},
+                                                     kv_joins=joins)))
         reply = await self._control(JoinKVReq(uuid.uuid4().hex, parts, len(fork), joins))
         if not reply.ok:
             return {"join_id": None, "reason": reply.info.get("reason", "")}
