@@ -68,10 +68,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if (lib is None or q.device.type != "cpu" or q.dtype != torch.float32 or k_pool.dtype not in FORMATS
             or v_pool.dtype != k_pool.dtype or k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1):
         return paged_attention_ref(q, k_pool, v_pool, slots, lens, scale, rows)
-    q = q.contiguous()
-    slots = slots.contiguous()
-    lens = lens.contiguous()
-    rows = None if rows is None else rows.contiguous()
+    q, slots, lens = _contiguous(q), _contiguous(slots), _contiguous(lens)
+    rows = None if rows is None else _contiguous(rows)
     num_queries, heads, groups, dim = q.shape
     vdim = v_pool.shape[2]
     # a second thread pays off only for enough work (waking one costs a few microseconds)
@@ -84,6 +82,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         k_pool.stride(1), v_pool.stride(1), k_pool.stride(0), v_pool.stride(0), scale, FORMATS[k_pool.dtype], threads,
     )
     return out, lse
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
 
 
 @functools.lru_cache(maxsize=1)

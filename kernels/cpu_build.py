@@ -75,9 +75,9 @@ _LOADED: dict[str, str] = {}
 def loaded_kernels() -> dict[str, str]:
     """Load every CPU kernel now (a bad PLAIT_CPU_ISA fails here, at start-up) and say what serves
     each: {"cpu_isa": level, kernel: "c/<level>" | "torch"}."""
-    from plait.kernels import cpu_attention, cpu_bitmask, cpu_fused, cpu_linear
+    from plait.kernels import cpu_attention, cpu_bitmask, cpu_fused, cpu_linear, cpu_quant
 
-    for module in (cpu_attention, cpu_bitmask, cpu_fused, cpu_linear):
+    for module in (cpu_attention, cpu_bitmask, cpu_fused, cpu_linear, cpu_quant):
         module._library()
     return {"cpu_isa": cpu_isa.selected(), **_LOADED}
 

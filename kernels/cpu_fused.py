@@ -104,8 +104,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (x.dim() == 2 and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
-            and x.is_contiguous() and w.is_contiguous() and w.shape == (x.shape[1],))
+    # cheapest checks first: this runs a few times per layer per step
+    return (x.dtype is torch.float32 and w.dtype is torch.float32 and x.is_cpu and x.dim() == 2
+            and x.is_contiguous() and w.is_contiguous() and w.dim() == 1 and w.shape[0] == x.shape[1])
 
 
 @functools.lru_cache(maxsize=1)

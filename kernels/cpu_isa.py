@@ -1,10 +1,11 @@
 """The CPU's instruction-set level, detected once, which the C kernels are built for.
 
 Levels, each a superset of the one before: `ref` (no C kernels: the torch references), `avx2`
-(AVX2 + FMA + F16C), `avx512` (+ AVX-512 F/BW/VL/DQ), `avx512_bf16` (+ AVX-512 BF16 and VNNI).
+(AVX2 + FMA + F16C), `avx512` (+ AVX-512 F/BW/VL/DQ), `avx512_vnni` (+ VNNI int8 dot products),
+`avx512_bf16` (+ AVX-512 BF16).
 A kernel is compiled with exactly its level's flags (never -march=native), and the level and
 flags are part of its cache key, so a kernel built on one CPU is never loaded on another that
-lacks its instructions. `PLAIT_CPU_ISA=ref|avx2|avx512|avx512_bf16` forces a level (an error
+lacks its instructions. `PLAIT_CPU_ISA=ref|avx2|avx512|avx512_vnni|avx512_bf16` forces a level (an error
 where the CPU lacks it). Non-x86 machines get `generic`: portable C, the kernels' scalar paths.
 """
 
@@ -14,15 +15,17 @@ import functools
 import os
 import platform
 
-LEVELS = ("ref", "avx2", "avx512", "avx512_bf16")
+LEVELS = ("ref", "avx2", "avx512", "avx512_vnni", "avx512_bf16")
 _AVX2 = frozenset({"avx2", "fma", "f16c"})
 _AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-_NEEDS = {"ref": frozenset(), "avx2": _AVX2, "avx512": _AVX512,
+_NEEDS = {"ref": frozenset(), "avx2": _AVX2, "avx512": _AVX512, "avx512_vnni": _AVX512 | {"avx512_vnni"},
           "avx512_bf16": _AVX512 | {"avx512_bf16", "avx512_vnni"}}
 _FLAGS = {
     "generic": [],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+    "avx512_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                    "-mavx512vnni"],
     "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                     "-mavx512bf16", "-mavx512vnni"],
 }

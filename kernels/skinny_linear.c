@@ -3,8 +3,9 @@
 //
 // With few rows the work is reading the weight once, so the kernel streams it row-block by
 // row-block and keeps each block in L1 while every input row is multiplied against it (4 weight
-// rows x 3 input rows of accumulators fill AVX2's 16 registers). Threads split the weight rows.
-// Threads are persistent: creating one per call costs ~50 us, against ~100 us for the call itself.
+// rows x 3 input rows of accumulators fill AVX2's 16 registers). Threads take the weight rows in
+// chunks, handed out dynamically. Threads are persistent: creating one per call costs ~50 us,
+// against ~100 us for the call itself.
 //
 // Batch-invariant: every output element is one dot product summed in the same order (8-wide
 // partial sums over K, then the lane sum, then the tail) whatever M is, whichever row block it
@@ -195,11 +196,12 @@ void skinny_linear(const float *x, const void *w, const float *bias, float *y, i
   const int64_t blocks = (n + 3) / 4;
   if (threads > blocks) threads = (int)blocks;
   if (threads < 1) threads = 1;
-#pragma omp parallel num_threads(threads)
-  {
-    const int parts = omp_get_num_threads(), part = omp_get_thread_num();
-    // whole 4-row blocks per part, so only the last part has a tail
-    const int64_t b0 = blocks * part / parts, b1 = blocks * (part + 1) / parts;
+  // chunks of whole 4-row blocks (only the last has a tail), handed out as threads free up: a thread
+  // slowed by a busy neighbour on its core takes fewer instead of the call waiting for its fixed share
+  const int64_t chunk = blocks / (8 * threads) > 1 ? blocks / (8 * threads) : 1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+    const int64_t b1 = b0 + chunk;
     run_part(&j, xp, b0 * 4, b1 * 4 < n ? b1 * 4 : n, w_fmt);
   }
   free(xp);

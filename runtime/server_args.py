@@ -24,6 +24,10 @@ class ServerArgs:
     skip_tokenizer_init: bool = _arg(False, "load no tokenizer (requests must give input_ids)")
     dtype: str = _arg("auto", "weight dtype (activations and arithmetic stay float32 on CPU); auto: measured "
                       "fastest for this CPU (README: dtype)", ["auto", "float32", "bfloat16", "float16"])
+    quantization: str = _arg(
+        "auto", "weight-only block quantization (README: Quantization): int8 (Q8_0 blocks), int4 (Q4_1 blocks; "
+        "embedding and LM head Q8_0), none (every weight in --dtype); auto: a GGUF file's own Q8_0/Q4_0/Q4_1 "
+        "blocks as stored, unless --dtype is given", ["none", "auto", "int8", "int4"])
     kv_cache_dtype: str = _arg("auto", "KV cache dtype; auto: the weight dtype",
                                ["auto", "float32", "bfloat16", "float16"])
     enable_deterministic_inference: bool = _arg(
@@ -31,6 +35,8 @@ class ServerArgs:
         "its batch and whether its prefix came from the cache (slower prefill; needs the C kernels)")
     device: str = _arg("auto", "compute device (the CUDA path is not built yet: auto means cpu)", ["auto", "cpu"])
     num_threads: int = _arg(0, "torch intra-op threads (0: torch's default)")
+    thread_policy: str = _arg("adaptive", "adaptive: decode steps use one thread fewer while that measures faster "
+                              "(a busy core; README: Threads); fixed: always --num-threads", ["adaptive", "fixed"])
     disable_packed_weights: bool = _arg(
         False, "on CPU, keep no second (oneDNN-blocked) copy of the float32 matmul weights: half the weight "
         "memory, slower prefill and large batches")
@@ -122,9 +128,11 @@ class ServerArgs:
         device = "cpu" if self.device == "auto" else self.device
         dtype = _best_cpu_dtype() if self.dtype == "auto" else self.dtype
         kv_cache_dtype = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        # an explicit --dtype asks for weights in that dtype: auto quantization then keeps none
+        quantization = "none" if self.quantization == "auto" and self.dtype != "auto" else self.quantization
         return dataclasses.replace(
             self, model_path=self.model_path or default_model_path(), device=device, dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype, quantization=quantization,
             api_key=self._resolved_api_key(), api_key_file=None,
         )
 

@@ -248,10 +248,10 @@ def test_openai_backend_on_the_chat_api(backend):
         s += pl.user("What is the capital of France?")
         s += pl.assistant(pl.gen("answer", max_tokens=16, temperature=0))
         s += pl.user("Is that city in Europe? Answer yes or no.")
-        s += pl.assistant(pl.select("yn", ["yes", "no"]))
+        s += pl.assistant(pl.select("yn", ["Yes", "No"]))
 
     s = answer.run(backend=oai)
-    assert "Paris" in s["answer"] and s["yn"] in ("yes", "no")
+    assert "Paris" in s["answer"] and s["yn"] in ("Yes", "No")
 
     @pl.function
     def unsupported(s):
@@ -360,7 +360,7 @@ def test_concate_and_append_reuses_the_branches_kv(backend):
 def thinker(s):
     s += pl.user("Think, then name a color.")
     s += pl.assistant(pl.separate_reasoning(
-        pl.gen("a", regex=r"<think>[a-z ]{1,16}</think>[A-Z][a-z]{1,8}", max_tokens=32, temperature=0),
+        pl.gen("a", regex=r"<think>[a-z][a-z ]{0,15}</think>[A-Z][a-z]{1,8}", max_tokens=32, temperature=0),
         model_type="qwen3"))
 
 

@@ -23,6 +23,12 @@ from plait.runtime.model_executor.forward_batch import AttnGroup, ForwardBatch
 def paged_attention(fb: ForwardBatch, layer: int, pool: KVPool, q: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [T, Hq, D]; this batch's new K/V are already in the pool (cpu_fused.rope_store). Returns [T, Hq * D]."""
     num_tokens, num_heads, head_dim = q.shape
+    g = fb.decode
+    if fb.extend is None and g.prefix_slots is None:  # decode alone (the common step): no copy, no split
+        num_kv = pool.k[layer].shape[0]
+        out, _ = cpu_attention.paged_attention(q.view(num_tokens, num_kv, num_heads // num_kv, head_dim),
+                                               pool.k[layer], pool.v[layer], g.kv_slots, g.kv_lens, scale)
+        return out.view(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in (fb.extend, fb.decode):
         if group is not None:

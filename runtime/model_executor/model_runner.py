@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from plait.kernels.cpu_build import loaded_kernels
 from plait.radix_cache.memory_pool import KVAllocator, KVPool, ReqToTokenPool
 from plait.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode, build_group
+from plait.runtime.model_executor.threads import ThreadGovernor, apply
 from plait.runtime.model_loader import load_model
 from plait.runtime.server_args import ServerArgs
 
@@ -35,17 +37,21 @@ class ModelRunner:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.args = args
+        # decode steps run with all the threads unless fewer measure faster (a busy core: threads.py)
+        self.threads = ThreadGovernor(torch.get_num_threads()) if args.thread_policy == "adaptive" else None
         self.dtype = _DTYPES[args.dtype]
         self.kv_dtype = _DTYPES[args.kv_cache_dtype if args.kv_cache_dtype != "auto" else args.dtype]
         self.batch_invariant = args.enable_deterministic_inference
         self.kernels = loaded_kernels()  # built now: a bad PLAIT_CPU_ISA fails before the model loads
         if self.batch_invariant:
             _check_batch_invariant_kernels(self.kernels)
+        # packed copies are built while loading: before the KV pool takes its share of free memory
         loaded = load_model(args.model_path, self.dtype, args.context_length, args.tokenizer_path, progress,
-                            load_tokenizer=not args.skip_tokenizer_init)
+                            load_tokenizer=not args.skip_tokenizer_init, quantization=args.quantization,
+                            packed=not args.disable_packed_weights)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        if not args.disable_packed_weights:
-            self.model.pack_weights()  # before the KV pool takes its share of free memory
+        # how the matmul weights are stored: "none" (in --dtype), "q8_0", "q4_1"
+        self.weight_formats = sorted({m.method.name for m in self.model.linears()})
         self.context_length = args.context_length or self.config.context_length
         cfg = self.config
         num_slots = args.max_total_tokens or self._auto_kv_tokens()
@@ -56,7 +62,8 @@ class ModelRunner:
         # a few spare rows: retracted and chunked requests hold rows beside the running ones
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_length + 1)
         logger.info("KV pool: %d tokens (%.0f MiB)", self.allocator.capacity, self._kv_bytes(num_slots) / 2**20)
-        logger.info("dtype %s, KV %s%s; CPU kernels: %s", args.dtype, self.kv_dtype, ", batch-invariant" *
+        logger.info("dtype %s, weights %s, KV %s%s; CPU kernels: %s", args.dtype, "+".join(self.weight_formats),
+                    self.kv_dtype, ", batch-invariant" *
                     self.batch_invariant, ", ".join(f"{k} {v}" for k, v in self.kernels.items()))
 
     def _kv_bytes(self, tokens: int) -> int:
@@ -77,8 +84,14 @@ class ModelRunner:
         """Run the items as one batch; returns float32 logits, one row per requested offset,
         in item order then offset order."""
         fb, order = self.build_batch(items)
+        timed = self.threads is not None and fb.mode is ForwardMode.DECODE
+        if self.threads is not None:
+            apply(self.threads.threads() if timed else self.threads.current)
+        start = time.perf_counter()
         with fb.active():
             logits = self.model(self.kv_pool)
+        if timed:
+            self.threads.record(time.perf_counter() - start, fb.num_tokens)
         # logits came out in extend-then-decode order; put them back in item order
         return logits if order is None else logits[order]
 
@@ -138,6 +151,6 @@ class ModelRunner:
 
 def _check_batch_invariant_kernels(kernels: dict[str, str]) -> None:
     """Batch invariance rests on the C matmul and attention kernels (the torch references promise none)."""
-    if not all(kernels[name].startswith("c/") for name in ("skinny_linear", "paged_attention")):
+    if not all(kernels[name].startswith("c/") for name in ("skinny_linear", "quant_linear", "paged_attention")):
         raise RuntimeError("--enable-deterministic-inference needs the C kernels (a C compiler, and PLAIT_CPU_ISA "
                            "not 'ref', PLAIT_DISABLE_C_KERNELS unset)")

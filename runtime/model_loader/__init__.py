@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from plait.runtime.model_config import ModelConfig
 from plait.runtime.model_loader.sources import GGUFSource, HFSource, open_source
+from plait.runtime.layers.quantization import QuantConfig
 from plait.runtime.models import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -29,18 +30,22 @@ class LoadedModel:
 
 
 def load_model(model_path: str, dtype: torch.dtype, max_positions: int | None = None,
-               tokenizer_path: str | None = None, progress: bool = True, load_tokenizer: bool = True) -> LoadedModel:
+               tokenizer_path: str | None = None, progress: bool = True, load_tokenizer: bool = True,
+               quantization: str = "none", packed: bool = True) -> LoadedModel:
     start = time.perf_counter()
     source = open_source(model_path)
     config = source.model_config()
     with ThreadPoolExecutor(max_workers=1) as pool:
         # the tokenizer builds (Python-bound) while weights dequantize (numpy, off the GIL)
         tokenizer_future = pool.submit(_load_tokenizer, source, tokenizer_path) if load_tokenizer else None
-        model = LlamaForCausalLM(config, dtype, max_positions or config.context_length)
-        load_weights(model, source, progress)
+        quant = QuantConfig(quantization, dtype, packed, source.block_formats())
+        model = LlamaForCausalLM(config, quant, max_positions or config.context_length)
+        load_weights(model, source, progress, keep_blocks=quant.wants_blocks)
         model.eval()
         tokenizer = tokenizer_future.result() if tokenizer_future else None
-    logger.info("loaded %s (%s, %s) in %.2f s", model_path, config.model_type, dtype, time.perf_counter() - start)
+    methods = sorted({m.method.name for m in model.linears()})
+    logger.info("loaded %s (%s, %s, weights %s) in %.2f s", model_path, config.model_type, dtype, "+".join(methods),
+                time.perf_counter() - start)
     return LoadedModel(model, config, tokenizer)
 
 
@@ -57,28 +62,33 @@ def _load_tokenizer(source: GGUFSource | HFSource | None, tokenizer_path: str | 
     return source.tokenizer()
 
 
-def load_weights(model: LlamaForCausalLM, source: GGUFSource | HFSource, progress: bool = True) -> None:
-    """Copy every tensor of the source into the model; reject missing, leftover and misshapen tensors."""
-    slots = model.weight_slots()
-    filled: dict[str, bool] = {name: False for name in slots}
+def load_weights(model: LlamaForCausalLM, source: GGUFSource | HFSource, progress: bool = True,
+                 keep_blocks: bool = False) -> None:
+    """Hand every tensor of the source to its layer's loader, then let the layers build their matmul
+    copies; reject missing, leftover and misshapen tensors. With `keep_blocks`, GGUF tensors in a
+    block format plait serves come as their blocks (runtime/layers/quantization.py)."""
+    loaders = model.weight_loaders()
+    filled: dict[str, bool] = {name: False for name in loaders}
     leftovers: list[str] = []
     total = source.num_tensors()
-    for name, tensor in tqdm(source.tensors(), total=total, desc="loading weights", disable=not progress, leave=False):
+    tensors = source.tensors(keep_blocks) if isinstance(source, GGUFSource) else source.tensors()
+    for name, tensor in tqdm(tensors, total=total, desc="loading weights", disable=not progress, leave=False):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
-        if name == "lm_head.weight" and model.cfg.tie_word_embeddings and name not in slots:
+        if name == "lm_head.weight" and model.cfg.tie_word_embeddings and name not in loaders:
             continue  # tied checkpoints may still store a copy
-        if name not in slots:
+        if name not in loaders:
             leftovers.append(name)
             continue
-        param, row = slots[name]
-        rows = tensor.shape[0]
-        dest = param.data[row : row + rows]
-        if dest.shape != tensor.shape or (param.dim() > 1 and row + rows > param.shape[0]):
-            raise ValueError(f"tensor {name}: shape {tuple(tensor.shape)} does not fit {tuple(dest.shape)}")
-        dest.copy_(tensor)
+        if filled[name]:
+            raise ValueError(f"tensor {name} appears twice in the checkpoint")
+        try:
+            loaders[name](tensor)
+        except ValueError as e:
+            raise ValueError(f"tensor {name}: {e}") from None
         filled[name] = True
     missing = [n for n, ok in filled.items() if not ok]
     if missing or leftovers:
         raise ValueError(f"weights do not match the model: missing {missing[:8]} leftover {leftovers[:8]}"
                          f" ({len(missing)} missing, {len(leftovers)} leftover)")
+    model.finish_loading()

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from plait.kernels.cpu_quant import BY_GGML_TYPE, BlockFormat, BlockTensor, from_gguf
 from plait.runtime.model_config import ModelConfig
 
 # GGUF tensor names -> HF names for the Llama family ({i} is the layer index)
@@ -79,7 +80,14 @@ class GGUFSource:
         backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
         return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def block_formats(self) -> dict[str, BlockFormat | None]:
+        """HF tensor name -> the block format plait serves it in as stored, None for other types."""
+        return {gguf_to_hf_name(t.name): BY_GGML_TYPE.get(t.ggml_type) if len(t.shape) == 2 else None
+                for t in self.header.tensors}
+
+    def tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
+        """(HF name, tensor) in HF layout; with `keep_blocks`, tensors of a served block format come as
+        their blocks (BlockTensor), never widened."""
         import gguf
 
         cfg_heads = (
@@ -90,8 +98,15 @@ class GGUFSource:
         start = self.header.data_start
         float_types = {0: np.float32, 1: np.float16}
 
-        def load(info) -> tuple[str, torch.Tensor]:
+        def load(info) -> tuple[str, torch.Tensor | BlockTensor]:
             raw = blob[start + info.offset : start + info.offset + info.nbytes]
+            name = gguf_to_hf_name(info.name)
+            fmt = BY_GGML_TYPE.get(info.ggml_type) if keep_blocks and len(info.shape) == 2 else None
+            if fmt is not None:
+                rows = torch.from_numpy(np.array(raw)).view(info.shape[0], -1)
+                if self.arch in _GGUF_PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
+                    rows = unpermute_qk(rows, cfg_heads[0] if "q_proj" in name else cfg_heads[1])
+                return name, BlockTensor(from_gguf(rows.contiguous(), info.ggml_type), fmt, tuple(info.shape))
             if info.ggml_type in float_types:
                 arr = np.frombuffer(raw, dtype=float_types[info.ggml_type]).astype(np.float32)
             elif info.ggml_type == 30:  # BF16: widen the raw 16 bits
@@ -99,7 +114,6 @@ class GGUFSource:
             else:
                 arr = gguf.quants.dequantize(np.asarray(raw), gguf.GGMLQuantizationType(info.ggml_type))
             t = torch.from_numpy(np.ascontiguousarray(arr.reshape(info.shape)))
-            name = gguf_to_hf_name(info.name)
             if self.arch in _GGUF_PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
                 t = unpermute_qk(t, cfg_heads[0] if "q_proj" in name else cfg_heads[1])
             return name, t
@@ -135,6 +149,9 @@ class HFSource:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(self.path)
+
+    def block_formats(self) -> dict[str, BlockFormat | None]:
+        return {}  # float checkpoints
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open

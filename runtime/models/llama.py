@@ -4,12 +4,16 @@ Differences are config switches (qkv bias, per-head q/k norm, tied embeddings, r
 Q/K/V and gate/up projections are fused into single matrices: fewer, larger matmuls.
 Positions and KV slots come from the active ForwardBatch, not from arguments.
 
-Two dtypes: matmul weights and the embedding are stored in `dtype` (16-bit halves the bytes a
-decode step reads); activations, norms, biases and all arithmetic are in `compute_dtype`
-(float32 on CPU: the kernels widen 16-bit values on load).
+Layers own their weights and loaders (runtime/layers/linear.py); how each matmul weight is stored
+(the model's dtype, or quantized blocks) is its layer's method, chosen by the QuantConfig. Norms,
+biases, activations and all arithmetic are in `compute_dtype` (float32 on CPU: the kernels widen
+16-bit and quantized weights on load).
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,22 +21,26 @@ from torch import nn
 
 from plait.kernels.cpu_fused import add_rms_norm, rms_norm, rope_store, silu_mul
 from plait.radix_cache.memory_pool import KVPool
-from plait.runtime.model_executor.forward_batch import current_batch
 from plait.runtime.layers.attention import paged_attention
-from plait.runtime.layers.linear import PackedWeight, linear, pack
+from plait.runtime.layers.linear import MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding, empty_param
+from plait.runtime.layers.quantization import QuantConfig
 from plait.runtime.layers.rotary import RotaryEmbedding
 from plait.runtime.model_config import ModelConfig
+from plait.runtime.model_executor.forward_batch import current_batch
+
+WeightLoader = Callable[[torch.Tensor], None]
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-_MATMULS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+def _copy_loader(param: nn.Parameter) -> WeightLoader:
+    def load(tensor: torch.Tensor) -> None:
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
+        param.data.copy_(tensor)
+    return load
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, compute_dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layer_id: int, quant: QuantConfig, compute_dtype: torch.dtype):
         super().__init__()
         self.layer_id = layer_id
         h, d = cfg.hidden_size, cfg.head_dim
@@ -40,26 +48,43 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.eps = cfg.rms_norm_eps
         self.scale = d**-0.5
-        self.input_norm = _param(h, dtype=compute_dtype)
-        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, h, dtype=dtype)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=compute_dtype) if cfg.qkv_bias else None
-        self.q_norm = _param(d, dtype=compute_dtype) if cfg.qk_norm else None
-        self.k_norm = _param(d, dtype=compute_dtype) if cfg.qk_norm else None
-        self.o_weight = _param(h, self.q_size, dtype=dtype)
-        self.post_norm = _param(h, dtype=compute_dtype)
-        self.gate_up_weight = _param(2 * cfg.intermediate_size, h, dtype=dtype)
-        self.down_weight = _param(h, cfg.intermediate_size, dtype=dtype)
-        self.packed: dict[str, PackedWeight | None] = dict.fromkeys(_MATMULS)
+        p = f"model.layers.{layer_id}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        self.input_norm = empty_param(h, dtype=compute_dtype)
+        self.qkv_proj = QKVLinear(h, self.q_size, self.kv_size, cfg.qkv_bias,
+                                  quant.method([attn + f"{x}_proj.weight" for x in "qkv"]))
+        self.q_norm = empty_param(d, dtype=compute_dtype) if cfg.qk_norm else None
+        self.k_norm = empty_param(d, dtype=compute_dtype) if cfg.qk_norm else None
+        self.o_proj = RowLinear(self.q_size, h, False, quant.method([attn + "o_proj.weight"]))
+        self.post_norm = empty_param(h, dtype=compute_dtype)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(h, {"gate": inter, "up": inter}, False,
+                                               quant.method([mlp + "gate_proj.weight", mlp + "up_proj.weight"]))
+        self.down_proj = RowLinear(inter, h, False, quant.method([mlp + "down_proj.weight"]))
 
-    def pack_weights(self) -> None:
-        """Blocked copies of the matmul weights for many-row matmuls (see layers.linear)."""
-        self.packed = {name: pack(getattr(self, name)) for name in _MATMULS}
+    def weight_loaders(self) -> dict[str, WeightLoader]:
+        p = f"model.layers.{self.layer_id}."
+        out: dict[str, WeightLoader] = {
+            p + "input_layernorm.weight": _copy_loader(self.input_norm),
+            p + "post_attention_layernorm.weight": _copy_loader(self.post_norm),
+            p + "self_attn.o_proj.weight": self.o_proj.weight_loader,
+            p + "mlp.down_proj.weight": self.down_proj.weight_loader,
+        }
+        for x in "qkv":
+            out[p + f"self_attn.{x}_proj.weight"] = functools.partial(self.qkv_proj.weight_loader, shard=x)
+            if self.qkv_proj.bias is not None:
+                out[p + f"self_attn.{x}_proj.bias"] = functools.partial(self.qkv_proj.bias_loader, shard=x)
+        for x in ("gate", "up"):
+            out[p + f"mlp.{x}_proj.weight"] = functools.partial(self.gate_up_proj.weight_loader, shard=x)
+        if self.q_norm is not None:
+            out[p + "self_attn.q_norm.weight"] = _copy_loader(self.q_norm)
+            out[p + "self_attn.k_norm.weight"] = _copy_loader(self.k_norm)
+        return out
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool) -> torch.Tensor:
         fb = current_batch()
         t, inv = x.shape[0], fb.batch_invariant
-        hs = rms_norm(x, self.input_norm, self.eps)
-        qkv = linear(hs, self.qkv_weight, self.qkv_bias, self.packed["qkv_weight"], inv)
+        qkv = self.qkv_proj(rms_norm(x, self.input_norm, self.eps), inv)
         if self.q_norm is not None:  # per-head RMS norm of q and k before RoPE (Qwen3), in place in qkv
             q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
@@ -69,71 +94,53 @@ class DecoderLayer(nn.Module):
         q = rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, pool.k[self.layer_id],
                        pool.v[self.layer_id], fb.out_slots)
         attn = paged_attention(fb, self.layer_id, pool, q, self.scale)
-        x, hs = add_rms_norm(x, linear(attn, self.o_weight, None, self.packed["o_weight"], inv), self.post_norm,
-                             self.eps)
-        act = silu_mul(linear(hs, self.gate_up_weight, None, self.packed["gate_up_weight"], inv))
-        return x + linear(act, self.down_weight, None, self.packed["down_weight"], inv)
+        x, hs = add_rms_norm(x, self.o_proj(attn, inv), self.post_norm, self.eps)
+        return x + self.down_proj(silu_mul(self.gate_up_proj(hs, inv)), inv)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int,
+    def __init__(self, cfg: ModelConfig, quant: QuantConfig, max_positions: int,
                  compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg = cfg
         self.compute_dtype = compute_dtype
-        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, compute_dtype) for i in range(cfg.num_layers))
-        self.norm = _param(cfg.hidden_size, dtype=compute_dtype)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size,
+                                    quant.method(["model.embed_tokens.weight"], embedding=True))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, quant, compute_dtype) for i in range(cfg.num_layers))
+        self.norm = empty_param(cfg.hidden_size, dtype=compute_dtype)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else VocabEmbedding(
+            cfg.vocab_size, cfg.hidden_size, quant.method(["lm_head.weight"], embedding=True))
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.rope_theta, max_positions, compute_dtype)
-        self.lm_head_packed: PackedWeight | None = None
 
-    def pack_weights(self) -> None:
-        """A second, blocked copy of every matmul weight for many-row matmuls on CPU (after loading)."""
-        for layer in self.layers:
-            layer.pack_weights()
-        self.lm_head_packed = pack(self.lm_head)
+    def linears(self) -> list[nn.Module]:
+        layers = [m for layer in self.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        return [self.embed, *layers] + ([] if self.lm_head is self.embed else [self.lm_head])
+
+    def finish_loading(self) -> None:
+        """Build every layer's matmul copies (packed, interleaved) once the weights are in."""
+        for m in self.linears():
+            m.finish_loading()
 
     @torch.inference_mode()
     def forward(self, pool: KVPool) -> torch.Tensor:
         """Logits (float32) at the active batch's `logits_rows`."""
         fb = current_batch()
-        x = F.embedding(fb.input_ids, self.embed).to(self.compute_dtype)
+        x = self.embed.embed(fb.input_ids).to(self.compute_dtype)
         cos, sin = self.rotary.tables(fb.positions)
         for layer in self.layers:
             x = layer(x, cos, sin, pool)
         x = x[fb.logits_rows]
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        return linear(x, self.lm_head, None, self.lm_head_packed, fb.batch_invariant).float()
+        return self.lm_head(x, fb.batch_invariant).float()
 
-    def weight_slots(self) -> dict[str, tuple[torch.Tensor, int]]:
-        """HF tensor name -> (destination parameter, row offset into it)."""
-        cfg = self.cfg
-        slots: dict[str, tuple[torch.Tensor, int]] = {
-            "model.embed_tokens.weight": (self.embed, 0),
-            "model.norm.weight": (self.norm, 0),
+    def weight_loaders(self) -> dict[str, WeightLoader]:
+        """HF tensor name -> the loader that puts it in place (the strict loader needs every one once)."""
+        loaders: dict[str, WeightLoader] = {
+            "model.embed_tokens.weight": self.embed.weight_loader,
+            "model.norm.weight": _copy_loader(self.norm),
         }
-        if not cfg.tie_word_embeddings:
-            slots["lm_head.weight"] = (self.lm_head, 0)
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            q, kv, inter = layer.q_size, layer.kv_size, cfg.intermediate_size
-            slots.update({
-                p + "input_layernorm.weight": (layer.input_norm, 0),
-                p + "post_attention_layernorm.weight": (layer.post_norm, 0),
-                p + "self_attn.q_proj.weight": (layer.qkv_weight, 0),
-                p + "self_attn.k_proj.weight": (layer.qkv_weight, q),
-                p + "self_attn.v_proj.weight": (layer.qkv_weight, q + kv),
-                p + "self_attn.o_proj.weight": (layer.o_weight, 0),
-                p + "mlp.gate_proj.weight": (layer.gate_up_weight, 0),
-                p + "mlp.up_proj.weight": (layer.gate_up_weight, inter),
-                p + "mlp.down_proj.weight": (layer.down_weight, 0),
-            })
-            if layer.qkv_bias is not None:
-                slots[p + "self_attn.q_proj.bias"] = (layer.qkv_bias, 0)
-                slots[p + "self_attn.k_proj.bias"] = (layer.qkv_bias, q)
-                slots[p + "self_attn.v_proj.bias"] = (layer.qkv_bias, q + kv)
-            if layer.q_norm is not None:
-                slots[p + "self_attn.q_norm.weight"] = (layer.q_norm, 0)
-                slots[p + "self_attn.k_norm.weight"] = (layer.k_norm, 0)
-        return slots
+        if self.lm_head is not self.embed:
+            loaders["lm_head.weight"] = self.lm_head.weight_loader
+        for layer in self.layers:
+            loaders.update(layer.weight_loaders())
+        return loaders

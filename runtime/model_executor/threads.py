@@ -1,0 +1,77 @@
+"""How many threads the forward uses: all the cores, unless measurements say fewer run faster.
+
+With N threads every parallel region of a step ends in a barrier, so a step runs at the pace of
+the slowest thread. When another process keeps one core busy, the thread sharing that core is
+descheduled for whole time slices (milliseconds) while the others wait at the barrier, and a decode
+step of ~150 regions can run several times slower than it would on one thread fewer. Work handed
+out in chunks (the C kernels) limits, but cannot remove, that wait.
+
+The governor measures instead of guessing: every `probe_every` decode steps it runs `probe_steps`
+steps with the other candidate thread count, and keeps whichever was faster per token over the
+probe and the same number of steps just before it (by more than `margin`, so noise does not flip
+it). Decode steps only: their cost follows the batch, which changes slowly, while a prefill chunk's
+does not. With one thread to give there is nothing to choose and it does nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class ThreadGovernor:
+    def __init__(self, max_threads: int, probe_every: int = 128, probe_steps: int = 8, margin: float = 0.1):
+        self.max_threads = max(1, max_threads)
+        self.current = self.max_threads
+        self.probe_every, self.probe_steps, self.margin = probe_every, probe_steps, margin
+        self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=probe_steps)
+        self._probe: list[tuple[float, int]] = []
+        self._steps = 0
+        self.switches = 0
+
+    @property
+    def probing(self) -> bool:
+        return bool(self._probe) or (self._steps >= self.probe_every and len(self._recent) == self.probe_steps)
+
+    def threads(self) -> int:
+        """The thread count for the next decode step."""
+        if self.max_threads == 1:
+            return 1
+        return self._other() if self.probing else self.current
+
+    def record(self, seconds: float, tokens: int) -> None:
+        """A decode step's time and token count, run with `threads()` threads."""
+        if self.max_threads == 1 or tokens <= 0:
+            return
+        if not self.probing:
+            self._recent.append((seconds, tokens))
+            self._steps += 1
+            return
+        self._probe.append((seconds, tokens))
+        if len(self._probe) < self.probe_steps:
+            return
+        base, probe = _per_token(self._recent), _per_token(self._probe)
+        if probe < base * (1 - self.margin):
+            logger.info("forward threads %d -> %d (%.2f vs %.2f ms per token)", self.current, self._other(),
+                        probe * 1e3, base * 1e3)
+            self.current = self._other()
+            self.switches += 1
+        self._probe, self._steps = [], 0
+        self._recent.clear()
+
+    def _other(self) -> int:
+        # the full count, or one fewer: a neighbour taking one core is what costs
+        return self.max_threads - 1 if self.current == self.max_threads else self.max_threads
+
+
+def _per_token(samples) -> float:
+    return sum(s for s, _ in samples) / max(1, sum(n for _, n in samples))
+
+
+def apply(threads: int) -> None:
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

@@ -1,0 +1,32 @@
+"""The thread governor: it probes the other thread count now and then and keeps the faster one."""
+
+from plait.runtime.model_executor.threads import ThreadGovernor
+
+
+def _run(gov: ThreadGovernor, ms_per_token: dict[int, float], steps: int, tokens: int = 4) -> list[int]:
+    used = []
+    for _ in range(steps):
+        n = gov.threads()
+        used.append(n)
+        gov.record(ms_per_token[n] * tokens / 1e3, tokens)
+    return used
+
+
+def test_switches_to_fewer_threads_when_they_are_faster_and_back():
+    gov = ThreadGovernor(2, probe_every=16, probe_steps=4)
+    used = _run(gov, {2: 10.0, 1: 4.0}, 40)  # a busy neighbour: 2 threads collapse
+    assert gov.current == 1 and gov.switches == 1
+    assert used[:16] == [2] * 16 and used[20:36] == [1] * 16  # probes are short; the rest runs the winner
+    _run(gov, {2: 2.0, 1: 4.0}, 40)  # the neighbour left
+    assert gov.current == 2 and gov.switches == 2
+
+
+def test_noise_within_the_margin_never_switches():
+    gov = ThreadGovernor(2, probe_every=8, probe_steps=4, margin=0.1)
+    _run(gov, {2: 10.0, 1: 9.5}, 200)
+    assert gov.current == 2 and gov.switches == 0
+
+
+def test_one_thread_has_nothing_to_choose():
+    gov = ThreadGovernor(1, probe_every=2, probe_steps=1)
+    assert set(_run(gov, {1: 1.0}, 20)) == {1} and gov.switches == 0
