@@ -159,3 +159,18 @@ def test_quantized_batch_of_many_rows_matches_few(runners):
     p, q = full[-1].log_softmax(-1), last[0].log_softmax(-1)
     assert int(p.argmax()) == int(q.argmax())
     assert float((p.exp() * (p - q)).sum()) < 0.01
+
+
+def test_every_isa_level_this_cpu_has_matches_the_reference():
+    """The kernel tests above, rerun with the kernel built for each level the CPU supports (PLAIT_CPU_ISA):
+    AVX2's vpmaddwd path, AVX-512's wider tiles, VNNI's vpdpwssd, and `ref` (the torch reference)."""
+    import os
+    import subprocess
+    import sys
+
+    for level in [lvl for lvl in cpu_isa.supported_levels() if lvl != cpu_isa.selected()]:
+        env = {**os.environ, "PLAIT_CPU_ISA": level}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k",
+                               "builds or matches_reference or invariant or round_trip or load_exactly"],
+                              env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
+        assert proc.returncode == 0 and " passed" in proc.stdout, f"PLAIT_CPU_ISA={level}:\n{proc.stdout[-3000:]}"
