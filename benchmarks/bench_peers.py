@@ -35,6 +35,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -279,7 +280,7 @@ def offline(ns, tok, prompts: list[str]) -> list[str]:
     from plait.runtime.model_executor.model_runner import ModelRunner
     from plait.runtime.server_args import ServerArgs
 
-    variants = {"default": {}, "float32": {"dtype": "float32", "quantization": "none"},
+    variants = {"default": {}, "none": {"quantization": "none"}, "float32": {"dtype": "float32", "quantization": "none"},
                 "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
     runners = {}
     for name, kw in variants.items():
@@ -304,11 +305,11 @@ def offline(ns, tok, prompts: list[str]) -> list[str]:
     for _ in range(2):  # alternating, twice
         for name, r in runners.items():
             speed[name].append(_decode_speed(r, ids[0][:127], 64))
-    base = sum(speed["default"]) / 2
+    base = sum(speed["none"]) / 2
     lines = ["**plait's weight variants, offline** (in-process ModelRunner, batch-1 decode after a 127-token prompt, "
              f"{ns.threads} threads; quality over {rows[0][3]} next-token distributions along float32's greedy "
              f"continuations of {len(ids)} prompts)", "",
-             "| variant | weights | batch-1 decode tok/s | vs default | top-1 agreement with float32 | mean KL |",
+             "| variant | weights | batch-1 decode tok/s | vs unquantized (none) | top-1 agreement with float32 | mean KL |",
              "|---|---|---|---|---|---|"]
     for name, top1, kl, _ in rows:
         s = sum(speed[name]) / 2
@@ -511,7 +512,7 @@ def main() -> None:
     tok = load_tokenizer(gguf)
     pool = text_pool(tok)
     all_jobs = jobs(tok, pool, ns.seed)
-    command = "python benchmarks/bench_peers.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/bench_peers.py " + shlex.join(sys.argv[1:])
     lines = [f"$ {command}", ""]
     if not ns.offline_only:
         srv = servers(ns, gguf)

@@ -55,6 +55,15 @@ class RuntimeProcesses:
         remove_dir(self.addrs.root)
 
 
+def _child_env(name: str) -> dict[str, str]:
+    """The scheduler's forward gets the cores: the detokenizer is held to one thread of each pool
+    (OpenMP, the tokenizers' rayon) so it never wakes a second one beside the forward's."""
+    env = dict(os.environ)
+    if name == "detokenizer":
+        env.update(OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
 def launch_runtime(args: ServerArgs) -> RuntimeProcesses:
     """Start the scheduler and detokenizer; load the tokenizer here meanwhile; return when all are ready."""
     addrs = Addresses.private()
@@ -66,7 +75,7 @@ def launch_runtime(args: ServerArgs) -> RuntimeProcesses:
         for name in ("scheduler", "detokenizer"):
             r, w = os.pipe()
             proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.managers.proc_main", name, str(w)],
-                                    stdin=subprocess.PIPE, pass_fds=(w,))
+                                    stdin=subprocess.PIPE, pass_fds=(w,), env=_child_env(name))
             os.close(w)  # the child holds the only writer: EOF here means it died
             proc.stdin.write(config.encode())
             proc.stdin.close()
