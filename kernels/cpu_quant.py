@@ -50,9 +50,6 @@ class BlockTensor:
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.blocks, self.fmt)
 
-    def rows(self, index: torch.Tensor) -> "BlockTensor":
-        return BlockTensor(self.blocks[index], self.fmt, (int(index.numel()), self.shape[1]))
-
 
 def _halves(x: torch.Tensor) -> torch.Tensor:
     """float16 values [..., G] as their bytes [..., G, 2]."""

@@ -105,10 +105,6 @@ class LinearMethod:
         """Rows `ids` of the weight as float32 (an embedding lookup)."""
         raise NotImplementedError
 
-    def weight_bytes(self, layer: "Linear") -> int:
-        """Bytes a few-row matmul reads."""
-        raise NotImplementedError
-
 
 class UnquantizedMethod(LinearMethod):
     """A plain weight in the model's dtype, with the packed copies of `pack` unless `packed` is off."""
@@ -133,9 +129,6 @@ class UnquantizedMethod(LinearMethod):
 
     def rows(self, layer: "Linear", ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, layer.weight).float()
-
-    def weight_bytes(self, layer: "Linear") -> int:
-        return layer.weight.numel() * layer.weight.element_size()
 
 
 class Linear(nn.Module):

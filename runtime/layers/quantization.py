@@ -23,7 +23,7 @@ import torch
 
 from plait.kernels.cpu_linear import MAX_ROWS
 from plait.kernels.cpu_quant import (GROUP, Q4_1, Q8_0, BlockFormat, BlockTensor, dequantize, interleave,
-                                     quant_linear, quantize, tiled_rows, deinterleave)
+                                     quant_linear, quantize, tiled_rows)
 from plait.runtime.layers.linear import Linear, LinearMethod, UnquantizedMethod, empty_param, onednn_copy, \
     onednn_linear, packed_dtype
 
@@ -64,12 +64,6 @@ class BlockQuantizedMethod(LinearMethod):
 
     def rows(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         return dequantize(tiled_rows(layer.qweight, self.fmt, ids), self.fmt)
-
-    def weight_bytes(self, layer: Linear) -> int:
-        return layer.qweight.numel()
-
-    def plain_blocks(self, layer: Linear) -> torch.Tensor:
-        return deinterleave(layer.qweight.data, self.fmt)
 
 
 @dataclass(frozen=True)
