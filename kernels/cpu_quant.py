@@ -79,7 +79,7 @@ def quantize(w: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
 def dequantize(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """float32 [N, K] from blocks [N, K / 32 * block bytes], as the kernel computes each weight."""
     n = blocks.shape[0]
-    b = blocks.reshape(n, -1, fmt.block_bytes)
+    b = blocks.reshape(n, blocks.shape[1] // fmt.block_bytes, fmt.block_bytes)
     d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, G, 1]
     if fmt is Q8_0:
         w = b[..., 2:].contiguous().view(torch.int8).float() * d
@@ -146,7 +146,7 @@ def _weight_ints(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, 
 def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of x [M, K] as the kernel quantizes them: int16 values [M, G, 32] (as float), scales and
     float sums [M, G] (per block of 32: absmax / 32767, round to nearest even)."""
-    g = x.float().reshape(x.shape[0], -1, GROUP)
+    g = x.float().reshape(x.shape[0], x.shape[1] // GROUP, GROUP)
     amax = g.abs().amax(-1)
     inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
     return torch.round(g * inv[..., None]), amax / 32767, g.sum(-1)

@@ -27,7 +27,7 @@ class ServerArgs:
     quantization: str = _arg(
         "auto", "weight-only block quantization (README: Quantization): int8 (Q8_0 blocks), int4 (Q4_1 blocks; "
         "embedding and LM head Q8_0), none (every weight in --dtype); auto: a GGUF file's own Q8_0/Q4_0/Q4_1 "
-        "blocks as stored, unless --dtype is given", ["none", "auto", "int8", "int4"])
+        "blocks as stored, unless --dtype is given or the C kernels cannot run", ["none", "auto", "int8", "int4"])
     kv_cache_dtype: str = _arg("auto", "KV cache dtype; auto: the weight dtype",
                                ["auto", "float32", "bfloat16", "float16"])
     enable_deterministic_inference: bool = _arg(
@@ -128,8 +128,11 @@ class ServerArgs:
         device = "cpu" if self.device == "auto" else self.device
         dtype = _best_cpu_dtype() if self.dtype == "auto" else self.dtype
         kv_cache_dtype = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        # an explicit --dtype asks for weights in that dtype: auto quantization then keeps none
-        quantization = "none" if self.quantization == "auto" and self.dtype != "auto" else self.quantization
+        # an explicit --dtype asks for weights in that dtype, and without the C kernels blocks would run
+        # through their torch reference: auto quantization then keeps none
+        quantization = self.quantization
+        if quantization == "auto" and (self.dtype != "auto" or not _c_kernels()):
+            quantization = "none"
         return dataclasses.replace(
             self, model_path=self.model_path or default_model_path(), device=device, dtype=dtype,
             kv_cache_dtype=kv_cache_dtype, quantization=quantization,
@@ -202,6 +205,12 @@ def load_config_file(path: str) -> dict[str, Any]:
             raise ValueError(f"{path}: unknown field {key!r}")
         out[name] = value
     return out
+
+
+def _c_kernels() -> bool:
+    from plait.kernels import cpu_build
+
+    return cpu_build.c_kernels_possible()
 
 
 def _best_cpu_dtype() -> str:

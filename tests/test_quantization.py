@@ -121,7 +121,8 @@ def test_quantized_models_agree_with_float32(runners):
                      "solar system is Jupiter, and the closest star to the Earth is the Sun.")
     ref = _logits(runners["float32"], ids)
     methods = {name: sorted({m.method.name for m in r.model.linears()}) for name, r in runners.items()}
-    assert methods == {"float32": ["none"], "auto": ["q4_1", "q8_0"], "int8": ["q8_0"], "int4": ["q4_1", "q8_0"]}
+    auto = ["q4_1", "q8_0"] if C_KERNELS else ["none"]
+    assert methods == {"float32": ["none"], "auto": auto, "int8": ["q8_0"], "int4": ["q4_1", "q8_0"]}
     floors = {"auto": 0.95, "int8": 0.9, "int4": 0.75}
     for name, floor in floors.items():
         out = _logits(runners[name], ids)
@@ -132,7 +133,7 @@ def test_quantized_models_agree_with_float32(runners):
 def test_auto_keeps_float_weights_for_an_explicit_dtype():
     from plait.runtime.server_args import ServerArgs
 
-    assert ServerArgs().resolved().quantization == "auto"
+    assert ServerArgs().resolved().quantization == ("auto" if C_KERNELS else "none")  # no blocks without the kernel
     assert ServerArgs(dtype="float32").resolved().quantization == "none"
     assert ServerArgs(dtype="float32", quantization="int8").resolved().quantization == "int8"
     with pytest.raises(ValueError, match="quantization must be one of"):
