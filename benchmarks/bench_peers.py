@@ -44,7 +44,8 @@ import httpx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_serving import Conversation, Result, _stop, _wait_healthy, text_pool  # noqa: E402
+from bench_serving import (Conversation, Result, _stop, _wait_healthy, openai_event, stream_sse,  # noqa: E402
+                           text_pool)
 
 PEERS = os.path.join(HERE, ".peers")
 RESULTS = os.path.join(HERE, "results")
@@ -199,35 +200,7 @@ async def send(client: httpx.AsyncClient, server: Server, job: Job, conv: Conver
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "shop", "schema": job.schema}}
     url = "/v1/chat/completions" if messages is not None else "/v1/completions"
     body.update({"messages": messages} if messages is not None else {"prompt": prompt})
-    res = Result(ok=False)
-    start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                res.error = (await resp.aread()).decode()[:300]
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                now = time.perf_counter()
-                new = "".join((c.get("delta") or {}).get("content") or c.get("text") or ""
-                              for c in data.get("choices", []))
-                res.text += new
-                if data.get("usage"):
-                    res.input_tokens = data["usage"]["prompt_tokens"]
-                    res.output_tokens = data["usage"]["completion_tokens"]
-                if new:
-                    if res.ttft == 0.0:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-        res.latency = time.perf_counter() - start
-        res.ok = True
-    except httpx.HTTPError as e:
-        res.error = repr(e)
-    return res
+    return await stream_sse(client, url, body, openai_event)
 
 
 async def run_job(server: Server, job: Job) -> tuple[list[tuple[Conversation, Result]], float]:

@@ -107,38 +107,21 @@ class Result:
     error: str = ""
 
 
-async def send(client: httpx.AsyncClient, backend: str, prompt: str, output_len: int) -> Result:
-    if backend == "plait":
-        url, body = "/generate", {"text": prompt, "stream": True,
-                                  "sampling_params": {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}}
-    else:
-        url, body = "/v1/completions", {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
-                                        "ignore_eos": True, "stream_options": {"include_usage": True}}
+async def stream_sse(client: httpx.AsyncClient, url: str, body: dict, on_event) -> Result:
+    """POST a streaming request and time it; `on_event(res, data)` folds one SSE event's JSON into res
+    and returns the new text it carried (TTFT and inter-token latencies are timed on new text)."""
     res = Result(ok=False)
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:
-                res.error = (await resp.aread()).decode()[:200]
+                res.error = (await resp.aread()).decode()[:300]
                 return res
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                data = json.loads(line[6:])
                 now = time.perf_counter()
-                if backend == "plait":
-                    new = data["text"][len(res.text):]
-                    res.text = data["text"]
-                    meta = data["meta_info"]
-                    res.input_tokens, res.output_tokens = meta["prompt_tokens"], meta["completion_tokens"]
-                    res.cached_tokens = meta["cached_tokens"]
-                else:
-                    new = "".join(c.get("text", "") for c in data.get("choices", []))
-                    res.text += new
-                    usage = data.get("usage")
-                    if usage:
-                        res.input_tokens, res.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
-                        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                new = on_event(res, json.loads(line[6:]))
                 if new:
                     if res.ttft == 0.0:
                         res.ttft = now - start
@@ -150,6 +133,36 @@ async def send(client: httpx.AsyncClient, backend: str, prompt: str, output_len:
     except httpx.HTTPError as e:
         res.error = repr(e)
     return res
+
+
+def _native_event(res: Result, data: dict) -> str:
+    new = data["text"][len(res.text):]
+    res.text = data["text"]
+    meta = data["meta_info"]
+    res.input_tokens, res.output_tokens = meta["prompt_tokens"], meta["completion_tokens"]
+    res.cached_tokens = meta["cached_tokens"]
+    return new
+
+
+def openai_event(res: Result, data: dict) -> str:
+    """A completions or chat-completions stream event (text or delta content; usage at the end)."""
+    new = "".join((c.get("delta") or {}).get("content") or c.get("text") or "" for c in data.get("choices", []))
+    res.text += new
+    usage = data.get("usage")
+    if usage:
+        res.input_tokens, res.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return new
+
+
+async def send(client: httpx.AsyncClient, backend: str, prompt: str, output_len: int) -> Result:
+    if backend == "plait":
+        body = {"text": prompt, "stream": True,
+                "sampling_params": {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}}
+        return await stream_sse(client, "/generate", body, _native_event)
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    return await stream_sse(client, "/v1/completions", body, openai_event)
 
 
 async def run_load(base_url: str, backend: str, convs: list[Conversation], concurrency: int, tok) -> tuple[list[Result], float]:

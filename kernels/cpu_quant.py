@@ -76,19 +76,22 @@ def quantize(w: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     return torch.cat(parts, -1).reshape(n, -1).contiguous()
 
 
-def dequantize(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """float32 [N, K] from blocks [N, K / 32 * block bytes], as the kernel computes each weight."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, blocks.shape[1] // fmt.block_bytes, fmt.block_bytes)
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, G, 1]
+def _weight_ints(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Plain blocks as their integers [N, G, 32], scales [N, G] and (Q4_1) minimums [N, G]."""
+    b = blocks.reshape(blocks.shape[0], blocks.shape[1] // fmt.block_bytes, fmt.block_bytes)
+    d = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
     if fmt is Q8_0:
-        w = b[..., 2:].contiguous().view(torch.int8).float() * d
-    else:
-        m = b[..., 2:4].contiguous().view(torch.float16).float()
-        qs = b[..., 4:]
-        q = torch.cat([qs & 0xF, qs >> 4], -1).float()
-        w = torch.addcmul(m, q, d)  # one rounding, as the kernel's fused multiply-add
-    return w.reshape(n, -1)
+        return b[..., 2:].contiguous().view(torch.int8).float(), d, None
+    qs = b[..., 4:]
+    m = b[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+    return torch.cat([qs & 0xF, qs >> 4], -1).float(), d, m
+
+
+def dequantize(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """float32 [N, K] from plain blocks [N, K / 32 * block bytes], as the kernel computes each weight."""
+    q, d, m = _weight_ints(blocks, fmt)
+    w = q * d[..., None] if m is None else torch.addcmul(m[..., None], q, d[..., None])  # one rounding, as an FMA
+    return w.reshape(blocks.shape[0], -1)
 
 
 def from_gguf(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
@@ -130,17 +133,6 @@ def tiled_rows(tiled: torch.Tensor, fmt: BlockFormat, ids: torch.Tensor) -> torc
     if bool(in_tile.all()):
         return tiles[ids // TILE, :, ids % TILE].reshape(ids.numel(), -1)
     return torch.stack([tiles[i // TILE, :, i % TILE].reshape(-1) if i < n4 else tiled[i] for i in ids.tolist()])
-
-
-def _weight_ints(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Plain blocks as their integers [N, G, 32], scales [N, G] and (Q4_1) minimums [N, G]."""
-    b = blocks.reshape(blocks.shape[0], -1, fmt.block_bytes)
-    d = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
-    if fmt is Q8_0:
-        return b[..., 2:].contiguous().view(torch.int8).float(), d, None
-    qs = b[..., 4:]
-    m = b[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
-    return torch.cat([qs & 0xF, qs >> 4], -1).float(), d, m
 
 
 def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,10 +9,10 @@
 
 Blocks are llama.cpp's layouts (kernels/cpu_quant.py), so GGUF blocks load straight into the
 kernel's layout; float tensors are quantized when they load; blocks of another format are
-dequantized and requantized. Activations stay float32: a few-row matmul widens each block once and
-multiplies it against every row (kernels/quant_linear.c); a many-row matmul (prefill, batches above
-MAX_ROWS) goes to oneDNN with a float copy dequantized once at load, the fastest path there,
-unless --disable-packed-weights.
+dequantized and requantized. A few-row matmul quantizes its input rows to int16 per block and takes
+exact integer dot products with each block (kernels/quant_linear.c); a many-row matmul (prefill,
+batches above MAX_ROWS) goes to oneDNN with a float copy dequantized once at load, the fastest path
+there, unless --disable-packed-weights.
 """
 
 from __future__ import annotations

@@ -50,8 +50,7 @@ class ModelRunner:
                             load_tokenizer=not args.skip_tokenizer_init, quantization=args.quantization,
                             packed=not args.disable_packed_weights)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        # how the matmul weights are stored: "none" (in --dtype), "q8_0", "q4_1"
-        self.weight_formats = sorted({m.method.name for m in self.model.linears()})
+        self.weight_formats = self.model.weight_formats()
         self.context_length = args.context_length or self.config.context_length
         cfg = self.config
         num_slots = args.max_total_tokens or self._auto_kv_tokens()

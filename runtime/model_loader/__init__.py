@@ -43,9 +43,8 @@ def load_model(model_path: str, dtype: torch.dtype, max_positions: int | None = 
         load_weights(model, source, progress, keep_blocks=quant.wants_blocks)
         model.eval()
         tokenizer = tokenizer_future.result() if tokenizer_future else None
-    methods = sorted({m.method.name for m in model.linears()})
-    logger.info("loaded %s (%s, %s, weights %s) in %.2f s", model_path, config.model_type, dtype, "+".join(methods),
-                time.perf_counter() - start)
+    logger.info("loaded %s (%s, %s, weights %s) in %.2f s", model_path, config.model_type, dtype,
+                "+".join(model.weight_formats()), time.perf_counter() - start)
     return LoadedModel(model, config, tokenizer)
 
 
@@ -71,8 +70,7 @@ def load_weights(model: LlamaForCausalLM, source: GGUFSource | HFSource, progres
     filled: dict[str, bool] = {name: False for name in loaders}
     leftovers: list[str] = []
     total = source.num_tensors()
-    tensors = source.tensors(keep_blocks) if isinstance(source, GGUFSource) else source.tensors()
-    for name, tensor in tqdm(tensors, total=total, desc="loading weights", disable=not progress, leave=False):
+    for name, tensor in tqdm(source.tensors(keep_blocks), total=total, desc="loading weights", disable=not progress, leave=False):
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings and name not in loaders:

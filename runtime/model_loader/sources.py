@@ -56,6 +56,11 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def _served_format(info) -> BlockFormat | None:
+    """The block format plait keeps a GGUF tensor in as stored (matrices of Q8_0/Q4_0/Q4_1), else None."""
+    return BY_GGML_TYPE.get(info.ggml_type) if len(info.shape) == 2 else None
+
+
 class GGUFSource:
     """A GGUF file. Metadata comes from transformers' fast GGUF reader; tensors are dequantized
     with the `gguf` package (its own GGUFReader parses every vocabulary string as a numpy view,
@@ -82,8 +87,7 @@ class GGUFSource:
 
     def block_formats(self) -> dict[str, BlockFormat | None]:
         """HF tensor name -> the block format plait serves it in as stored, None for other types."""
-        return {gguf_to_hf_name(t.name): BY_GGML_TYPE.get(t.ggml_type) if len(t.shape) == 2 else None
-                for t in self.header.tensors}
+        return {gguf_to_hf_name(t.name): _served_format(t) for t in self.header.tensors}
 
     def tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
         """(HF name, tensor) in HF layout; with `keep_blocks`, tensors of a served block format come as
@@ -101,21 +105,21 @@ class GGUFSource:
         def load(info) -> tuple[str, torch.Tensor | BlockTensor]:
             raw = blob[start + info.offset : start + info.offset + info.nbytes]
             name = gguf_to_hf_name(info.name)
-            fmt = BY_GGML_TYPE.get(info.ggml_type) if keep_blocks and len(info.shape) == 2 else None
-            if fmt is not None:
-                rows = torch.from_numpy(np.array(raw)).view(info.shape[0], -1)
-                if self.arch in _GGUF_PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
-                    rows = unpermute_qk(rows, cfg_heads[0] if "q_proj" in name else cfg_heads[1])
-                return name, BlockTensor(from_gguf(rows.contiguous(), info.ggml_type), fmt, tuple(info.shape))
-            if info.ggml_type in float_types:
-                arr = np.frombuffer(raw, dtype=float_types[info.ggml_type]).astype(np.float32)
+            fmt = _served_format(info) if keep_blocks else None
+            if fmt is not None:  # the blocks as stored, one row of them per weight row
+                t = torch.from_numpy(np.array(raw)).view(info.shape[0], -1)
+            elif info.ggml_type in float_types:
+                t = torch.from_numpy(np.frombuffer(raw, dtype=float_types[info.ggml_type]).astype(np.float32))
             elif info.ggml_type == 30:  # BF16: widen the raw 16 bits
-                arr = (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+                t = torch.from_numpy((np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32))
             else:
-                arr = gguf.quants.dequantize(np.asarray(raw), gguf.GGMLQuantizationType(info.ggml_type))
-            t = torch.from_numpy(np.ascontiguousarray(arr.reshape(info.shape)))
+                t = torch.from_numpy(gguf.quants.dequantize(np.asarray(raw), gguf.GGMLQuantizationType(info.ggml_type)))
+            if fmt is None:
+                t = t.reshape(info.shape).contiguous()
             if self.arch in _GGUF_PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
-                t = unpermute_qk(t, cfg_heads[0] if "q_proj" in name else cfg_heads[1])
+                t = unpermute_qk(t, cfg_heads[0] if "q_proj" in name else cfg_heads[1])  # rows, blocks or floats
+            if fmt is not None:
+                return name, BlockTensor(from_gguf(t.contiguous(), info.ggml_type), fmt, tuple(info.shape))
             return name, t
 
         # numpy releases the GIL in dequantization: a small pool overlaps tensors
@@ -153,7 +157,8 @@ class HFSource:
     def block_formats(self) -> dict[str, BlockFormat | None]:
         return {}  # float checkpoints
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor); `keep_blocks` is moot: a float checkpoint has no blocks."""
         from safetensors import safe_open
 
         for file in self.files:

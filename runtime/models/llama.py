@@ -116,6 +116,10 @@ class LlamaForCausalLM(nn.Module):
         layers = [m for layer in self.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
         return [self.embed, *layers] + ([] if self.lm_head is self.embed else [self.lm_head])
 
+    def weight_formats(self) -> list[str]:
+        """How the matmul weights are stored: "none" (in the model's dtype), "q8_0", "q4_1"."""
+        return sorted({m.method.name for m in self.linears()})
+
     def finish_loading(self) -> None:
         """Build every layer's matmul copies (packed, interleaved) once the weights are in."""
         for m in self.linears():
