@@ -374,8 +374,10 @@ def _breakdown(runner, ids: list[list[int]], ns) -> str:
 
     import plait.runtime.layers.linear as layers
 
-    parts = {"matmul": [(layers.Linear, "forward")], "attention": [(llama, "paged_attention")],
-             "other kernels": [(llama, n) for n in ("rms_norm", "add_rms_norm", "silu_mul", "rope_store")]}
+    # the matmuls with what they fuse (the norm before QKV, the activation before down_proj)
+    parts = {"matmul": [(layers.Linear, n) for n in ("forward", "forward_normed", "forward_silu_mul")],
+             "attention": [(llama, "paged_attention")],
+             "other kernels": [(llama, n) for n in ("rms_norm", "add_rms_norm", "rope_store")]}
     spent: dict[str, float] = {}
     originals = []
 
@@ -395,7 +397,7 @@ def _breakdown(runner, ids: list[list[int]], ns) -> str:
         for owner, attr in targets:
             wrap(owner, attr, key)
     lines = ["**One decode step, where the time goes** (default variant, prompts of ~200 tokens, ms per step)", "",
-             "| batch | step | matmul | attention | other kernels | glue | batch metadata | sampling |",
+             "| batch | step | matmul (with its fused norm or activation) | attention | other kernels | glue | batch metadata | sampling |",
              "|---|---|---|---|---|---|---|---|"]
     import torch
 

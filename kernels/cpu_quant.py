@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from plait.kernels.cpu_build import I64, INT, PTR, load_library
+from plait.kernels import cpu_fused
+from plait.kernels.cpu_build import F32, I64, INT, PTR, load_library
 
 GROUP = 32  # weights per block
+AS_IS, RMS_NORM, SILU_MUL = 0, 1, 2  # the kernel's input prologues (kernels/quant_linear.c)
 
 
 @dataclass(frozen=True)
@@ -110,29 +112,61 @@ def from_gguf(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
 TILE = 4  # rows per kernel tile (TILE_N of kernels/quant_linear.c)
 
 
+def _fields(fmt: BlockFormat) -> list[int]:
+    """A block's fields, in bytes: scale and integers (Q8_0); scale, minimum and integers (Q4_1)."""
+    return [2, 32] if fmt is Q8_0 else [2, 2, 16]
+
+
 def interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """The kernel's layout of plain blocks [N, row bytes]: within each whole tile of 4 rows, block g
-    of every row, then block g + 1 (one sequential stream per tile); rows past the last tile plain."""
-    n4 = blocks.shape[0] // TILE * TILE
-    tiles = blocks[:n4].reshape(n4 // TILE, TILE, -1, fmt.block_bytes).transpose(1, 2).reshape(n4, -1)
-    return torch.cat([tiles, blocks[n4:]]).contiguous()
+    """The kernel's layout of plain blocks [N, row bytes]. Within each whole tile of 4 rows, block g of
+    every row, then block g + 1 (one sequential stream per tile), each tile block field by field: the
+    4 rows' scales, (Q4_1) their 4 minimums, then their integers, so one load reads all 4 scales.
+    Rows past the last whole tile stay plain."""
+    n4, g = blocks.shape[0] // TILE * TILE, blocks.shape[1] // fmt.block_bytes
+    tiles = blocks[:n4].reshape(n4 // TILE, TILE, g, fmt.block_bytes).transpose(1, 2)  # [T, G, 4, bytes]
+    parts = tiles.split(_fields(fmt), -1)
+    grouped = torch.cat([p.reshape(n4 // TILE, g, TILE * f) for p, f in zip(parts, _fields(fmt))], -1)
+    grouped = grouped.reshape(n4, blocks.shape[1])
+    return torch.cat([grouped, blocks[n4:]]).contiguous()
+
+
+def _tile_blocks(tiled: torch.Tensor, fmt: BlockFormat, tiles: torch.Tensor | None = None) -> torch.Tensor:
+    """Whole tiles of the kernel's layout (all, or those numbered `tiles`) as plain blocks [T, G, 4, block bytes]."""
+    n4, g = tiled.shape[0] // TILE * TILE, tiled.shape[1] // fmt.block_bytes
+    grouped = tiled[:n4].view(n4 // TILE, g, TILE * fmt.block_bytes)
+    if tiles is not None:
+        grouped = grouped[tiles]
+    parts = grouped.split([TILE * f for f in _fields(fmt)], -1)
+    return torch.cat([p.reshape(p.shape[0], g, TILE, f) for p, f in zip(parts, _fields(fmt))], -1)
 
 
 def deinterleave(tiled: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """Plain blocks from the kernel's layout (the inverse of `interleave`)."""
     n4 = tiled.shape[0] // TILE * TILE
-    tiles = tiled[:n4].reshape(n4 // TILE, -1, TILE, fmt.block_bytes).transpose(1, 2).reshape(n4, -1)
+    tiles = _tile_blocks(tiled, fmt).transpose(1, 2).reshape(n4, tiled.shape[1])
     return torch.cat([tiles, tiled[n4:]]).contiguous()
 
 
 def tiled_rows(tiled: torch.Tensor, fmt: BlockFormat, ids: torch.Tensor) -> torch.Tensor:
-    """Plain blocks of rows `ids` read from the kernel's layout (an embedding lookup)."""
-    n4 = tiled.shape[0] // TILE * TILE
-    tiles = tiled[:n4].view(n4 // TILE, -1, TILE, fmt.block_bytes)
-    in_tile = ids < n4
-    if bool(in_tile.all()):
-        return tiles[ids // TILE, :, ids % TILE].reshape(ids.numel(), -1)
-    return torch.stack([tiles[i // TILE, :, i % TILE].reshape(-1) if i < n4 else tiled[i] for i in ids.tolist()])
+    """Plain blocks of rows `ids` read from the kernel's layout (an embedding lookup: only their tiles are read)."""
+    n4, g = tiled.shape[0] // TILE * TILE, tiled.shape[1] // fmt.block_bytes
+    if not bool((ids < n4).all()):
+        return torch.stack([tiled_rows(tiled, fmt, i.view(1))[0] if i < n4 else tiled[i] for i in ids])
+    tile_blocks = tiled[:n4].view(n4 // TILE, g, TILE * fmt.block_bytes)[ids // TILE]  # [I, G, 4 * block bytes]
+    base, size = _row_bytes_in_tile(fmt)
+    pos = base + (ids % TILE)[:, None] * size  # [I, block bytes]: where row i's block bytes are in a tile block
+    return tile_blocks.gather(2, pos[:, None, :].expand(-1, g, -1)).reshape(ids.numel(), tiled.shape[1])
+
+
+@functools.lru_cache(maxsize=None)
+def _row_bytes_in_tile(fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each byte of a plain block, its offset in a tile block for the tile's row 0, and the step per row."""
+    base, size, start = [], [], 0
+    for f in _fields(fmt):
+        base += [TILE * start + i for i in range(f)]
+        size += [f] * f
+        start += f
+    return torch.tensor(base), torch.tensor(size)
 
 
 def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,22 +198,82 @@ def quant_linear(x: torch.Tensor, tiled: torch.Tensor, fmt: BlockFormat, bias: t
     """x @ dequantize(w).T (+ bias) for a 2-D float32 x with the activations quantized to int16 per block:
     `quant_linear_ref`, by the C kernel where it applies (any row count; its per-row sums never depend
     on the batch). `tiled` is `interleave(blocks)`."""
+    n, k = tiled.shape[0], tiled.shape[1] // fmt.block_bytes * GROUP
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x of shape {tuple(x.shape)}: the weight takes [rows, {k}] features")
     lib = _library()
-    if (lib is None or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or not tiled.is_contiguous()
+    if (lib is None or x.dtype is not torch.float32 or not x.is_cpu or not tiled.is_contiguous()
             or (bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()))):
         return quant_linear_ref(x, tiled, fmt, bias)
-    n, k = tiled.shape[0], tiled.shape[1] // fmt.block_bytes * GROUP
-    rows, cols = x.shape
-    if cols != k:
-        raise ValueError(f"x has {cols} features, the weight {k}")
+    rows = x.shape[0]
     if not x.is_contiguous():
         x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     lib.quant_linear(x.data_ptr(), tiled.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                     rows, n, k, fmt.code, torch.get_num_threads())
+                     rows, n, k, fmt.code, AS_IS, None, 0.0, torch.get_num_threads())
     return y
+
+
+class QuantMatmul:
+    """`quant_linear` for one weight (and bias), checked once here, so a call checks only x: a decode
+    step makes a hundred or more of these calls, each a few microseconds of Python. `normed` and
+    `silu_mul` fuse the step before the matmul into the kernel's input quantization (one call instead
+    of two; the same result as the two)."""
+
+    def __init__(self, tiled: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None = None):
+        self.tiled, self.fmt, self.bias = tiled, fmt, bias
+        self.n, self.k = tiled.shape[0], tiled.shape[1] // fmt.block_bytes * GROUP
+        lib = _library()
+        fits = tiled.is_contiguous() and (bias is None or (bias.dtype is torch.float32 and bias.is_contiguous()))
+        self._fn = lib.quant_linear if lib is not None and fits else None
+        self._w, self._b = tiled.data_ptr(), None if bias is None else bias.data_ptr()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._fits(x, self.k):
+            return quant_linear(x, self.tiled, self.fmt, self.bias)  # validates, or the reference
+        return self._run(x, AS_IS, None, 0.0)
+
+    def normed(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """self(rms_norm(x, w, eps))."""
+        if not self._fits(x, self.k) or w.dtype is not torch.float32 or w.shape != (self.k,) or not w.is_contiguous():
+            return self(cpu_fused.rms_norm(x, w, eps))
+        return self._run(x, RMS_NORM, w.data_ptr(), eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) for gate_up [M, 2K] = gate | up."""
+        if not self._fits(gate_up, 2 * self.k):
+            return self(cpu_fused.silu_mul(gate_up))
+        return self._run(gate_up, SILU_MUL, None, 0.0)
+
+    def _fits(self, x: torch.Tensor, cols: int) -> bool:
+        return (self._fn is not None and x.dtype is torch.float32 and x.is_cpu and x.dim() == 2
+                and x.shape[1] == cols and x.is_contiguous())
+
+    def _run(self, x: torch.Tensor, prologue: int, norm_w: int | None, eps: float) -> torch.Tensor:
+        y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        self._fn(x.data_ptr(), self._w, self._b, y.data_ptr(), x.shape[0], self.n, self.k, self.fmt.code, prologue,
+                 norm_w, eps, torch.get_num_threads())
+        return y
+
+
+def quant_rows(tiled: torch.Tensor, fmt: BlockFormat, ids: torch.Tensor) -> torch.Tensor:
+    """dequantize(tiled_rows(tiled, fmt, ids)): float32 rows [len(ids), K] (an embedding lookup), by the C
+    kernel where it applies."""
+    ids = ids.to(torch.int64).contiguous()
+    if ids.numel():
+        lo, hi = torch.aminmax(ids)
+        if int(lo) < 0 or int(hi) >= tiled.shape[0]:
+            raise IndexError(f"row ids must be in [0, {tiled.shape[0]}), got {int(lo)}..{int(hi)}")
+    lib = _library()
+    if lib is None or not tiled.is_contiguous():
+        return dequantize(tiled_rows(tiled, fmt, ids), fmt)
+    k = tiled.shape[1] // fmt.block_bytes * GROUP
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    lib.quant_rows(tiled.data_ptr(), ids.data_ptr(), ids.numel(), tiled.shape[0], k, fmt.code, out.data_ptr())
+    return out
 
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    return load_library("quant_linear", quant_linear=(PTR, PTR, PTR, PTR, I64, I64, I64, INT, INT))
+    return load_library("quant_linear", quant_linear=(PTR, PTR, PTR, PTR, I64, I64, I64, INT, INT, PTR, F32, INT),
+                        quant_rows=(PTR, PTR, I64, I64, I64, INT, PTR))

@@ -5,17 +5,19 @@
 //         for element j, high nibble for element j + 16
 // These are llama.cpp's layouts, so a GGUF file's blocks are used as they are stored, only
 // reordered: in each whole tile of 4 rows the rows' blocks are interleaved (block 0 of rows 0-3,
-// then block 1, ...; kernels/cpu_quant.py `interleave`), so the kernel reads one sequential stream
-// instead of 4, which the hardware prefetcher follows much better. Rows past the last whole tile
-// stay plain.
+// then block 1, ...), each such tile block field by field (the 4 scales, Q4_1's 4 minimums, then
+// the 4 rows' integers; kernels/cpu_quant.py `interleave`), so the kernel reads one sequential
+// stream instead of 4, which the hardware prefetcher follows much better, and one load gets 4
+// scales. Rows past the last whole tile stay plain.
 //
 // Integer dot products: each input row is quantized once per call to int16 in blocks of 32 (scale
 // absmax / 32767, round to nearest even: a relative error of ~1e-5, where int8 activations as in
 // llama.cpp cost this model 1-4% per matmul and a quarter of its greedy tokens), and a block's
-// dot product is exact in int32: VNNI `vpdpwssd` (int16 pairs) where the CPU has it, else AVX2's
-// `vpmaddwd`. The weights' integers are widened to int16 once per block and used for every input
-// row. Then one float multiply-add per block applies d_w * d_x, and for Q4_1 min_w times the
-// block's exact float sum of x.
+// dot product is exact in int32 lanes (`vpmaddwd`: pairs of int16 products). The weights' integers
+// are widened to int16 once per block and used for every input row. Then one float multiply-add
+// per block applies d_w * d_x, and for Q4_1 min_w times the block's exact float sum of x. With
+// AVX-512 a whole block is one 32-word register, so a block costs one widening, one vpmaddwd, one
+// conversion and one FMA per input row (the float work per block, not memory, bounds this kernel).
 //
 // Batch-invariant: every output is summed in one fixed order whatever M is (an input row is
 // quantized alone; integer sums are exact; the per-block float steps and the lane reduction are the
@@ -26,6 +28,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "row_ops.h"
+#include "simd.h"
 #include "simd_cvt.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -33,9 +37,13 @@
 
 enum { Q8_0 = 0, Q4_1 = 1 };  // same numbering as kernels/cpu_quant.py
 #define QK 32
+// software prefetch this far ahead in a tile's stream: memory, not arithmetic, bounds one input row,
+// and the hardware prefetcher alone left ~20% of the bandwidth unused (benchmarks: 12.0 -> 9.5 ms
+// for the model's 121 int8 matmuls, cold)
+#define PREFETCH_BYTES 4096
 #define TILE_N 4
 #if defined(__AVX512VL__)
-#define TILE_M 4  // 4 x 4 ymm accumulators fit in AVX-512's 32 vector registers
+#define TILE_M 4  // 4 x 4 accumulators fit in AVX-512's 32 vector registers
 #else
 #define TILE_M 2
 #endif
@@ -73,6 +81,43 @@ static void quantize_row(const float *x, int64_t k, int16_t *q, float *d, float 
   }
 }
 
+typedef struct {
+  const float *bias;
+  XQuant xq;
+  const uint8_t *w;
+  float *y;
+  int64_t m, n, k;
+} Job;
+
+// where one weight block's scale, minimum (Q4_1) and integers are
+typedef struct {
+  const uint8_t *d, *m, *q;
+} Block;
+
+static inline int head_bytes(int fmt) { return fmt == Q8_0 ? 2 : 4; }  // scale (and minimum) per row
+
+// block g of weight row n + c of a weight with k columns: in a whole tile (n a multiple of 4) field by
+// field, else plain
+static inline __attribute__((always_inline)) Block block_in(const uint8_t *w, int64_t k, int64_t n, const int whole,
+                                                             int c, int64_t g, const int fmt) {
+  const int64_t G = k / QK, bb = block_bytes(fmt), h = head_bytes(fmt);
+  if (whole) {
+    const uint8_t *t = w + (n * G + g * TILE_N) * bb;
+    return (Block){t + 2 * c, t + 2 * TILE_N + 2 * c, t + h * TILE_N + c * (bb - h)};
+  }
+  const uint8_t *b = w + ((n + c) * G + g) * bb;
+  return (Block){b, b + 2, b + h};
+}
+
+static inline __attribute__((always_inline)) Block block_at(const Job *j, int64_t n, const int whole, int c,
+                                                             int64_t g, const int fmt) {
+  return block_in(j->w, j->k, n, whole, c, g, fmt);
+}
+
+static inline __attribute__((always_inline)) void prefetch_tile_block(Block b, const int fmt) {
+  for (int64_t o = 0; o < TILE_N * block_bytes(fmt); o += 64) __builtin_prefetch(b.d + PREFETCH_BYTES + o);
+}
+
 #if defined(__AVX2__)
 typedef __m256 vf;
 // int32 lanes: a += sums of adjacent int16 products of w and x
@@ -85,13 +130,13 @@ static inline __m256i dot_i16(__m256i a, __m256i w, __m256i x) {
 }
 
 // a block's 32 integers widened to int16: elements 0-15 and 16-31
-static inline __attribute__((always_inline)) void block_ints(const uint8_t *b, const int fmt, __m256i *w) {
+static inline __attribute__((always_inline)) void block_ints(const uint8_t *q, const int fmt, __m256i *w) {
   if (fmt == Q8_0) {
-    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 2)));
-    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 18)));
+    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
   } else {
     // each byte widened to 16 bits holds both nibbles: the low one is a mask away, the high one a shift
-    const __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 4)));
+    const __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
     w[0] = _mm256_and_si256(both, _mm256_set1_epi16(0xF));
     w[1] = _mm256_srli_epi16(both, 4);
   }
@@ -103,26 +148,12 @@ static inline __attribute__((always_inline)) __m256i block_dot(const __m256i *w,
   return dot_i16(dot_i16(_mm256_setzero_si256(), w[0], x0), w[1], x1);
 }
 
-static inline float hsum(vf v) {  // a fixed order: halves, then pairs
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  a = _mm_add_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
 #endif
 
-typedef struct {
-  const float *bias;
-  XQuant xq;
-  const uint8_t *w;
-  float *y;
-  int64_t m, n, k;
-} Job;
-
-// weight rows [n, n + rows) (rows <= TILE_N) against input rows [m, m + R)
-static inline __attribute__((always_inline)) void tile(const Job *j, int64_t n, const int rows, int64_t m,
-                                                       const int R, const int fmt) {
-  const int64_t K = j->k, G = K / QK, bb = block_bytes(fmt);
+// weight rows [n, n + rows) (rows <= TILE_N; whole: a whole tile) against input rows [m, m + R)
+static inline __attribute__((always_inline)) void tile(const Job *j, int64_t n, const int rows, const int whole,
+                                                       int64_t m, const int R, const int fmt) {
+  const int64_t G = j->k / QK;
   float mins[TILE_M][TILE_N];
 #if defined(__AVX2__)
   vf acc[TILE_M][TILE_N];
@@ -134,18 +165,18 @@ static inline __attribute__((always_inline)) void tile(const Job *j, int64_t n, 
     for (int c = 0; c < TILE_N; ++c) acc[r][c] = 0.f, mins[r][c] = 0.f;
 #endif
   for (int64_t g = 0; g < G; ++g) {
+    if (whole) prefetch_tile_block(block_at(j, n, 1, 0, g, fmt), fmt);
 #if defined(__AVX2__)
     vf dx[TILE_M];  // the input blocks' scales, broadcast once per block for every weight row
     for (int r = 0; r < R; ++r) dx[r] = _mm256_set1_ps(j->xq.d[(m + r) * G + g]);
 #endif
     for (int c = 0; c < rows; ++c) {
-      // whole tiles are interleaved by block (one sequential stream); a tail tile's rows are plain
-      const uint8_t *blk = j->w + (rows == TILE_N ? (n * G + g * TILE_N + c) * bb : ((n + c) * G + g) * bb);
-      const float dw = half(blk), mw = fmt == Q4_1 ? half(blk + 2) : 0.f;
+      const Block b = block_at(j, n, whole, c, g, fmt);
+      const float dw = half(b.d), mw = fmt == Q4_1 ? half(b.m) : 0.f;
 #if defined(__AVX2__)
       const vf dwv = _mm256_set1_ps(dw);
       __m256i wi[2];
-      block_ints(blk, fmt, wi);
+      block_ints(b.q, fmt, wi);
 #endif
       for (int r = 0; r < R; ++r) {
         const int64_t xb = (m + r) * G + g;
@@ -156,7 +187,7 @@ static inline __attribute__((always_inline)) void tile(const Job *j, int64_t n, 
         int32_t dot = 0;
         const int16_t *xq = j->xq.q + xb * QK;
         for (int i = 0; i < QK; ++i) {
-          const int w = fmt == Q8_0 ? (int8_t)blk[2 + i] : (i < 16 ? blk[4 + i] & 0xF : blk[4 + i - 16] >> 4);
+          const int w = fmt == Q8_0 ? (int8_t)b.q[i] : (i < 16 ? b.q[i] & 0xF : b.q[i - 16] >> 4);
           dot += w * xq[i];
         }
         acc[r][c] = fmaf((float)dot, dw * j->xq.d[xb], acc[r][c]);
@@ -177,27 +208,93 @@ static inline __attribute__((always_inline)) void tile(const Job *j, int64_t n, 
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// a block's 32 integers widened to one register of int16 words
+static inline __attribute__((always_inline)) __m512i block_ints512(const uint8_t *q, const int fmt) {
+  if (fmt == Q8_0) return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)q));
+  // the 16 bytes twice, as words: the first copy's low nibbles are elements 0-15, the second's high ones 16-31
+  const __m512i both = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q)));
+  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  return _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi16(0xF));
+}
+
+// a whole tile (4 weight rows from n) against input rows [m, m + R), one 16-lane accumulator each
+static inline __attribute__((always_inline)) void tile512(const Job *j, int64_t n, int64_t m, const int R,
+                                                          const int fmt) {
+  const int64_t G = j->k / QK, qbytes = block_bytes(fmt) - head_bytes(fmt);
+  __m512 acc[TILE_M][TILE_N];
+  __m128 mins[TILE_M];  // Q4_1: the 4 rows' sums of min_w * sum(x)
+  for (int r = 0; r < R; ++r) {
+    mins[r] = _mm_setzero_ps();
+    for (int c = 0; c < TILE_N; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const Block b = block_at(j, n, 1, 0, g, fmt);
+    prefetch_tile_block(b, fmt);
+    const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)b.d));  // the 4 rows' scales
+    __m512i w[TILE_N];
+    for (int c = 0; c < TILE_N; ++c) w[c] = block_ints512(b.q + c * qbytes, fmt);
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (m + r) * G + g;
+      const __m512i x = _mm512_loadu_si512((const void *)(j->xq.q + xb * QK));
+      const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_set1_ps(j->xq.d[xb])));  // d_w * d_x per row
+      for (int c = 0; c < TILE_N; ++c) {
+        // exact: each lane sums two products of at most 2^22
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_madd_epi16(w[c], x));
+        acc[r][c] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(_mm512_set1_epi32(c), s), acc[r][c]);
+      }
+      if (fmt == Q4_1)
+        mins[r] = _mm_fmadd_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)b.m)), _mm_set1_ps(j->xq.s[xb]), mins[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float mn[TILE_N];
+    _mm_storeu_ps(mn, mins[r]);
+    for (int c = 0; c < TILE_N; ++c)
+      j->y[(m + r) * j->n + n + c] = _mm512_reduce_add_ps(acc[r][c]) + mn[c] + (j->bias ? j->bias[n + c] : 0.f);
+  }
+}
+#define WHOLE_TILE(j, n, m, R, fmt) tile512(j, n, m, R, fmt)
+#else
+#define WHOLE_TILE(j, n, m, R, fmt) tile(j, n, TILE_N, 1, m, R, fmt)
+#endif
+
 static void run_rows(const Job *j, int64_t begin, int64_t end, const int fmt) {
   for (int64_t n = begin; n < end; n += TILE_N) {
     int64_t m = 0;
     if (n + TILE_N <= end) {  // constant tile sizes keep the accumulators in registers
-      for (; m + TILE_M <= j->m; m += TILE_M) tile(j, n, TILE_N, m, TILE_M, fmt);
-      for (; m < j->m; ++m) tile(j, n, TILE_N, m, 1, fmt);
+      for (; m + TILE_M <= j->m; m += TILE_M) WHOLE_TILE(j, n, m, TILE_M, fmt);
+      for (; m < j->m; ++m) WHOLE_TILE(j, n, m, 1, fmt);
     } else {
-      for (; m < j->m; ++m) tile(j, n, (int)(end - n), m, 1, fmt);
+      for (; m < j->m; ++m) tile(j, n, (int)(end - n), 0, m, 1, fmt);
     }
   }
 }
 
+enum { AS_IS = 0, RMS_NORM = 1, SILU_MUL = 2 };  // prologues, numbered as in kernels/cpu_quant.py
+
 // The OpenMP runtime is the one torch already loaded (same soname), so the kernel shares torch's
-// worker threads. k must be a multiple of 32.
+// worker threads. k must be a multiple of 32. The input rows are first transformed by `prologue`,
+// by the same row functions as kernels/fused_ops.c (so the result is the unfused one, bit for bit):
+// AS_IS x [m, k]; RMS_NORM x [m, k] normalized and scaled by norm_w; SILU_MUL x [m, 2k], gate | up.
 void quant_linear(const float *x, const void *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
-                  int fmt, int threads) {
+                  int fmt, int prologue, const float *norm_w, float eps, int threads) {
   const int64_t G = k / QK, tiles = (n + TILE_N - 1) / TILE_N;
-  char *buf = (char *)malloc((size_t)(2 * m * k + 2 * m * G * (int64_t)sizeof(float)));
+  char *buf = (char *)malloc((size_t)(2 * m * k + 2 * m * G * (int64_t)sizeof(float) + k * (int64_t)sizeof(float)));
   if (!buf) return;  // the caller's y stays unset only on an allocation failure, which torch would hit first
   const XQuant xq = {(int16_t *)buf, (float *)(buf + 2 * m * k), (float *)(buf + 2 * m * k) + m * G};
-  for (int64_t r = 0; r < m; ++r) quantize_row(x + r * k, k, xq.q + r * k, xq.d + r * G, xq.s + r * G);
+  float *row = xq.s + m * G;  // one transformed input row
+  for (int64_t r = 0; r < m; ++r) {
+    const float *xr = x + r * (prologue == SILU_MUL ? 2 * k : k);
+    if (prologue == RMS_NORM) {
+      scale_row(xr, norm_w, rms_scale(xr, k, eps), row, k);
+      xr = row;
+    } else if (prologue == SILU_MUL) {
+      silu_mul_row(xr, xr + k, row, k);
+      xr = row;
+    }
+    quantize_row(xr, k, xq.q + r * k, xq.d + r * G, xq.s + r * G);
+  }
   const Job j = {bias, xq, (const uint8_t *)w, y, m, n, k};
   if (threads > tiles) threads = (int)tiles;
   if (threads < 1) threads = 1;
@@ -215,3 +312,21 @@ void quant_linear(const float *x, const void *w, const float *bias, float *y, in
   free(buf);
 }
 
+// out[i] = the float weights of row ids[i] (an embedding lookup): as cpu_quant.dequantize computes them
+void quant_rows(const void *w, const int64_t *ids, int64_t count, int64_t n, int64_t k, int fmt, float *out) {
+  const int64_t n4 = n / TILE_N * TILE_N;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t row = ids[i], tile0 = row < n4 ? row / TILE_N * TILE_N : row;
+    for (int64_t g = 0; g < k / QK; ++g) {
+      const Block b = block_in((const uint8_t *)w, k, tile0, row < n4, (int)(row - tile0), g, fmt);
+      const float d = half(b.d), mn = fmt == Q4_1 ? half(b.m) : 0.f;
+      float *o = out + i * k + g * QK;
+      for (int e = 0; e < QK; ++e) {
+        if (fmt == Q8_0)
+          o[e] = (float)(int8_t)b.q[e] * d;
+        else
+          o[e] = fmaf((float)(e < 16 ? b.q[e] & 0xF : b.q[e - 16] >> 4), d, mn);
+      }
+    }
+  }
+}

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from plait.kernels import cpu_isa
-from plait.kernels.cpu_quant import (BY_GGML_TYPE, Q4_1, Q8_0, _library, deinterleave, dequantize, from_gguf,
-                                     interleave, quant_linear, quant_linear_ref, quantize, tiled_rows)
+from plait.kernels.cpu_fused import rms_norm, silu_mul
+from plait.kernels.cpu_quant import (BY_GGML_TYPE, Q4_1, Q8_0, QuantMatmul, _library, deinterleave, dequantize,
+                                     from_gguf, interleave, quant_linear, quant_linear_ref, quant_rows, quantize,
+                                     tiled_rows)
 
 C_KERNELS = cpu_isa.selected() != "ref"
 FORMATS = [Q8_0, Q4_1]
@@ -52,6 +54,34 @@ def test_quant_linear_is_batch_invariant(fmt):
                 assert torch.equal(quant_linear(x[:rows], tiled, fmt, b), alone[:rows]), (rows, n)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_fused_prologues_equal_the_two_steps(fmt, rows):
+    """The norm and the activation fused into the matmul's input give exactly the unfused result."""
+    torch.manual_seed(rows)
+    w, b, norm_w = torch.randn(68, 96), torch.randn(68), torch.rand(96) + 0.5
+    mm = QuantMatmul(interleave(quantize(w, fmt), fmt), fmt, b)
+    x, gate_up = torch.randn(rows, 96) * 3, torch.randn(rows, 192) * 3
+    assert torch.equal(mm(x), quant_linear(x, mm.tiled, fmt, b))
+    assert torch.equal(mm.normed(x, norm_w, 1e-5), quant_linear(rms_norm(x, norm_w, 1e-5), mm.tiled, fmt, b))
+    assert torch.equal(mm.silu_mul(gate_up), quant_linear(silu_mul(gate_up), mm.tiled, fmt, b))
+    # a strided input takes the checked path, with the same result
+    wide = torch.randn(rows, 200)
+    assert torch.equal(mm(wide[:, :96]), quant_linear(wide[:, :96].contiguous(), mm.tiled, fmt, b))
+    with pytest.raises(ValueError, match="features"):
+        mm(torch.randn(rows, 64))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_row_lookup_is_the_dequantized_rows(fmt):
+    torch.manual_seed(4)
+    blocks = quantize(torch.randn(10, 64), fmt)
+    ids = torch.tensor([9, 0, 4, 9, 7])
+    assert torch.equal(quant_rows(interleave(blocks, fmt), fmt, ids), dequantize(blocks[ids], fmt))
+    with pytest.raises(IndexError, match="row ids"):
+        quant_rows(interleave(blocks, fmt), fmt, torch.tensor([10]))
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
@@ -172,6 +202,6 @@ def test_every_isa_level_this_cpu_has_matches_the_reference():
     for level in [lvl for lvl in cpu_isa.supported_levels() if lvl != cpu_isa.selected()]:
         env = {**os.environ, "PLAIT_CPU_ISA": level}
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k",
-                               "builds or matches_reference or invariant or round_trip or load_exactly"],
+                               "builds or matches_reference or invariant or round_trip or load_exactly or prologues or lookup"],
                               env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
         assert proc.returncode == 0 and " passed" in proc.stdout, f"PLAIT_CPU_ISA={level}:\n{proc.stdout[-3000:]}"

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.kernels import cpu_isa
+from plait.kernels.cpu_fused import rms_norm, silu_mul
 from plait.kernels.cpu_linear import MAX_ROWS, block_bf16, skinny_linear
 from plait.kernels.cpu_quant import BlockTensor
 
@@ -101,6 +102,15 @@ class LinearMethod:
     def apply(self, layer: "Linear", x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_normed(self, layer: "Linear", x: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                     batch_invariant: bool) -> torch.Tensor:
+        """apply(rms_norm(x, norm_w, eps)); a method may fuse the norm into its matmul."""
+        return self.apply(layer, rms_norm(x, norm_w, eps), batch_invariant)
+
+    def apply_silu_mul(self, layer: "Linear", gate_up: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+        """apply(silu(gate) * up) for gate_up = gate | up; a method may fuse the activation into its matmul."""
+        return self.apply(layer, silu_mul(gate_up), batch_invariant)
+
     def rows(self, layer: "Linear", ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight as float32 (an embedding lookup)."""
         raise NotImplementedError
@@ -173,6 +183,15 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         return self.method.apply(self, x, batch_invariant)
+
+    def forward_normed(self, x: torch.Tensor, norm_w: torch.Tensor, eps: float, batch_invariant: bool = False
+                       ) -> torch.Tensor:
+        """self(rms_norm(x, norm_w, eps))."""
+        return self.method.apply_normed(self, x, norm_w, eps, batch_invariant)
+
+    def forward_silu_mul(self, gate_up: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        """self(silu(gate) * up), gate_up = gate | up."""
+        return self.method.apply_silu_mul(self, gate_up, batch_invariant)
 
 
 class QKVLinear(Linear):

@@ -23,7 +23,7 @@ import torch
 
 from plait.kernels.cpu_linear import MAX_ROWS
 from plait.kernels.cpu_quant import (GROUP, Q4_1, Q8_0, BlockFormat, BlockTensor, dequantize, interleave,
-                                     quant_linear, quantize, tiled_rows)
+                                     QuantMatmul, quant_rows, quantize)
 from plait.runtime.layers.linear import Linear, LinearMethod, UnquantizedMethod, empty_param, onednn_copy, \
     onednn_linear, packed_dtype
 
@@ -42,7 +42,7 @@ class BlockQuantizedMethod(LinearMethod):
             raise ValueError(f"{self.fmt.name} needs in_features divisible by {GROUP}, got {layer.in_features}")
         # plain blocks while loading; interleaved into the kernel's layout by finish_loading
         layer.qweight = empty_param(layer.out_features, self.fmt.row_bytes(layer.in_features), dtype=torch.uint8)
-        layer.onednn = None
+        layer.onednn = layer.qmatmul = None
 
     def load_rows(self, layer: Linear, row: int, tensor: torch.Tensor | BlockTensor) -> None:
         if isinstance(tensor, BlockTensor) and tensor.fmt is self.fmt:
@@ -56,14 +56,30 @@ class BlockQuantizedMethod(LinearMethod):
             w = dequantize(layer.qweight.data, self.fmt)
             layer.onednn = onednn_copy(w, packed_dtype(torch.bfloat16))
         layer.qweight.data = interleave(layer.qweight.data, self.fmt)
+        layer.qmatmul = QuantMatmul(layer.qweight.data, self.fmt, layer.bias)
 
     def apply(self, layer: Linear, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
-        if layer.onednn is not None and x.dim() == 2 and x.shape[0] > MAX_ROWS and not batch_invariant:
+        if self._onednn(layer, x, batch_invariant):
             return onednn_linear(x, layer.onednn, layer.bias)
-        return quant_linear(x, layer.qweight, self.fmt, layer.bias)
+        return layer.qmatmul(x)
+
+    def apply_normed(self, layer: Linear, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                     batch_invariant: bool) -> torch.Tensor:
+        if self._onednn(layer, x, batch_invariant):
+            return super().apply_normed(layer, x, norm_w, eps, batch_invariant)
+        return layer.qmatmul.normed(x, norm_w, eps)
+
+    def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+        if self._onednn(layer, gate_up, batch_invariant):
+            return super().apply_silu_mul(layer, gate_up, batch_invariant)
+        return layer.qmatmul.silu_mul(gate_up)
+
+    @staticmethod
+    def _onednn(layer: Linear, x: torch.Tensor, batch_invariant: bool) -> bool:
+        return layer.onednn is not None and x.shape[0] > MAX_ROWS and not batch_invariant and x.dim() == 2
 
     def rows(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize(tiled_rows(layer.qweight, self.fmt, ids), self.fmt)
+        return quant_rows(layer.qweight, self.fmt, ids)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.kernels.cpu_fused import add_rms_norm, rms_norm, rope_store, silu_mul
+from plait.kernels.cpu_fused import add_rms_norm, rms_norm, rope_store
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.layers.attention import paged_attention
 from plait.runtime.layers.linear import MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding, empty_param
@@ -84,7 +84,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool) -> torch.Tensor:
         fb = current_batch()
         t, inv = x.shape[0], fb.batch_invariant
-        qkv = self.qkv_proj(rms_norm(x, self.input_norm, self.eps), inv)
+        qkv = self.qkv_proj.forward_normed(x, self.input_norm, self.eps, inv)
         if self.q_norm is not None:  # per-head RMS norm of q and k before RoPE (Qwen3), in place in qkv
             q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
@@ -95,7 +95,7 @@ class DecoderLayer(nn.Module):
                        pool.v[self.layer_id], fb.out_slots)
         attn = paged_attention(fb, self.layer_id, pool, q, self.scale)
         x, hs = add_rms_norm(x, self.o_proj(attn, inv), self.post_norm, self.eps)
-        return x + self.down_proj(silu_mul(self.gate_up_proj(hs, inv)), inv)
+        return x + self.down_proj.forward_silu_mul(self.gate_up_proj(hs, inv), inv)
 
 
 class LlamaForCausalLM(nn.Module):
