@@ -374,10 +374,11 @@ def _breakdown(runner, ids: list[list[int]], ns) -> str:
 
     import plait.runtime.layers.linear as layers
 
-    # the matmuls with what they fuse (the norm before QKV, the activation before down_proj)
-    parts = {"matmul": [(layers.Linear, n) for n in ("forward", "forward_normed", "forward_silu_mul")],
+    # the matmuls with what they fuse (the norms before QKV and gate/up, the activation before down_proj)
+    parts = {"matmul": [(layers.Linear, n) for n in ("forward", "forward_normed", "forward_add_normed",
+                                                     "forward_silu_mul")],
              "attention": [(llama, "paged_attention")],
-             "other kernels": [(llama, n) for n in ("rms_norm", "add_rms_norm", "rope_store")]}
+             "other kernels": [(llama, n) for n in ("rms_norm", "rope_store")]}
     spent: dict[str, float] = {}
     originals = []
 
@@ -397,7 +398,7 @@ def _breakdown(runner, ids: list[list[int]], ns) -> str:
         for owner, attr in targets:
             wrap(owner, attr, key)
     lines = ["**One decode step, where the time goes** (default variant, prompts of ~200 tokens, ms per step)", "",
-             "| batch | step | matmul (with its fused norm or activation) | attention | other kernels | glue | batch metadata | sampling |",
+             "| batch | step | matmul (with the norms and activation it fuses) | attention | other kernels | glue | batch metadata | sampling |",
              "|---|---|---|---|---|---|---|---|"]
     import torch
 

@@ -21,7 +21,7 @@ from plait.kernels import cpu_fused
 from plait.kernels.cpu_build import F32, I64, INT, PTR, load_library
 
 GROUP = 32  # weights per block
-AS_IS, RMS_NORM, SILU_MUL = 0, 1, 2  # the kernel's input prologues (kernels/quant_linear.c)
+AS_IS, RMS_NORM, SILU_MUL, ADD_RMS_NORM = 0, 1, 2, 3  # the kernel's input prologues (kernels/quant_linear.c)
 
 
 @dataclass(frozen=True)
@@ -210,15 +210,15 @@ def quant_linear(x: torch.Tensor, tiled: torch.Tensor, fmt: BlockFormat, bias: t
         x = x.contiguous()
     y = torch.empty(rows, n, dtype=torch.float32)
     lib.quant_linear(x.data_ptr(), tiled.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                     rows, n, k, fmt.code, AS_IS, None, 0.0, torch.get_num_threads())
+                     rows, n, k, fmt.code, AS_IS, None, 0.0, None, torch.get_num_threads())
     return y
 
 
 class QuantMatmul:
     """`quant_linear` for one weight (and bias), checked once here, so a call checks only x: a decode
-    step makes a hundred or more of these calls, each a few microseconds of Python. `normed` and
-    `silu_mul` fuse the step before the matmul into the kernel's input quantization (one call instead
-    of two; the same result as the two)."""
+    step makes a hundred or more of these calls, each a few microseconds of Python. `normed`,
+    `add_normed` and `silu_mul` fuse the step before the matmul into the kernel's input quantization
+    (one call instead of two; the same result as the two)."""
 
     def __init__(self, tiled: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None = None):
         self.tiled, self.fmt, self.bias = tiled, fmt, bias
@@ -239,6 +239,15 @@ class QuantMatmul:
             return self(cpu_fused.rms_norm(x, w, eps))
         return self._run(x, RMS_NORM, w.data_ptr(), eps)
 
+    def add_normed(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, self(rms_norm(x + residual, w, eps))), the sum written into x as cpu_fused.add_rms_norm."""
+        if (not self._fits(x, self.k) or not self._fits(residual, self.k) or residual.shape != x.shape
+                or w.dtype is not torch.float32 or w.shape != (self.k,) or not w.is_contiguous()):
+            x, h = cpu_fused.add_rms_norm(x, residual, w, eps)
+            return x, self(h)
+        return x, self._run(x, ADD_RMS_NORM, w.data_ptr(), eps, residual.data_ptr())
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) for gate_up [M, 2K] = gate | up."""
         if not self._fits(gate_up, 2 * self.k):
@@ -249,10 +258,11 @@ class QuantMatmul:
         return (self._fn is not None and x.dtype is torch.float32 and x.is_cpu and x.dim() == 2
                 and x.shape[1] == cols and x.is_contiguous())
 
-    def _run(self, x: torch.Tensor, prologue: int, norm_w: int | None, eps: float) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, prologue: int, norm_w: int | None, eps: float, residual: int | None = None
+             ) -> torch.Tensor:
         y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
         self._fn(x.data_ptr(), self._w, self._b, y.data_ptr(), x.shape[0], self.n, self.k, self.fmt.code, prologue,
-                 norm_w, eps, torch.get_num_threads())
+                 norm_w, eps, residual, torch.get_num_threads())
         return y
 
 
@@ -275,5 +285,5 @@ def quant_rows(tiled: torch.Tensor, fmt: BlockFormat, ids: torch.Tensor) -> torc
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    return load_library("quant_linear", quant_linear=(PTR, PTR, PTR, PTR, I64, I64, I64, INT, INT, PTR, F32, INT),
+    return load_library("quant_linear", quant_linear=(PTR, PTR, PTR, PTR, I64, I64, I64, INT, INT, PTR, F32, PTR, INT),
                         quant_rows=(PTR, PTR, I64, I64, I64, INT, PTR))

@@ -271,22 +271,28 @@ static void run_rows(const Job *j, int64_t begin, int64_t end, const int fmt) {
   }
 }
 
-enum { AS_IS = 0, RMS_NORM = 1, SILU_MUL = 2 };  // prologues, numbered as in kernels/cpu_quant.py
+enum { AS_IS = 0, RMS_NORM = 1, SILU_MUL = 2, ADD_RMS_NORM = 3 };  // prologues, numbered as in kernels/cpu_quant.py
 
 // The OpenMP runtime is the one torch already loaded (same soname), so the kernel shares torch's
 // worker threads. k must be a multiple of 32. The input rows are first transformed by `prologue`,
 // by the same row functions as kernels/fused_ops.c (so the result is the unfused one, bit for bit):
-// AS_IS x [m, k]; RMS_NORM x [m, k] normalized and scaled by norm_w; SILU_MUL x [m, 2k], gate | up.
-void quant_linear(const float *x, const void *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
-                  int fmt, int prologue, const float *norm_w, float eps, int threads) {
+// AS_IS x [m, k]; RMS_NORM x [m, k] normalized and scaled by norm_w; SILU_MUL x [m, 2k], gate | up;
+// ADD_RMS_NORM x [m, k] += residual [m, k] in place (the residual stream), then as RMS_NORM.
+void quant_linear(float *x, const void *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k, int fmt,
+                  int prologue, const float *norm_w, float eps, const float *residual, int threads) {
   const int64_t G = k / QK, tiles = (n + TILE_N - 1) / TILE_N;
   char *buf = (char *)malloc((size_t)(2 * m * k + 2 * m * G * (int64_t)sizeof(float) + k * (int64_t)sizeof(float)));
   if (!buf) return;  // the caller's y stays unset only on an allocation failure, which torch would hit first
   const XQuant xq = {(int16_t *)buf, (float *)(buf + 2 * m * k), (float *)(buf + 2 * m * k) + m * G};
   float *row = xq.s + m * G;  // one transformed input row
   for (int64_t r = 0; r < m; ++r) {
-    const float *xr = x + r * (prologue == SILU_MUL ? 2 * k : k);
-    if (prologue == RMS_NORM) {
+    float *xr = x + r * (prologue == SILU_MUL ? 2 * k : k);
+    if (prologue == ADD_RMS_NORM) {
+      const float *yr = residual + r * k;
+#pragma omp simd
+      for (int64_t i = 0; i < k; ++i) xr[i] += yr[i];
+    }
+    if (prologue == RMS_NORM || prologue == ADD_RMS_NORM) {
       scale_row(xr, norm_w, rms_scale(xr, k, eps), row, k);
       xr = row;
     } else if (prologue == SILU_MUL) {

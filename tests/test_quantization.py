@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from plait.kernels import cpu_isa
-from plait.kernels.cpu_fused import rms_norm, silu_mul
+from plait.kernels.cpu_fused import add_rms_norm, rms_norm, silu_mul
 from plait.kernels.cpu_quant import (BY_GGML_TYPE, Q4_1, Q8_0, QuantMatmul, _library, deinterleave, dequantize,
                                      from_gguf, interleave, quant_linear, quant_linear_ref, quant_rows, quantize,
                                      tiled_rows)
@@ -67,6 +67,11 @@ def test_fused_prologues_equal_the_two_steps(fmt, rows):
     assert torch.equal(mm(x), quant_linear(x, mm.tiled, fmt, b))
     assert torch.equal(mm.normed(x, norm_w, 1e-5), quant_linear(rms_norm(x, norm_w, 1e-5), mm.tiled, fmt, b))
     assert torch.equal(mm.silu_mul(gate_up), quant_linear(silu_mul(gate_up), mm.tiled, fmt, b))
+    residual, delta = torch.randn(rows, 96), torch.randn(rows, 96)
+    mine, theirs = residual.clone(), residual.clone()
+    summed, y = mm.add_normed(mine, delta, norm_w, 1e-5)
+    theirs, h = add_rms_norm(theirs, delta, norm_w, 1e-5)
+    assert torch.equal(summed, theirs) and torch.equal(y, quant_linear(h, mm.tiled, fmt, b))
     # a strided input takes the checked path, with the same result
     wide = torch.randn(rows, 200)
     assert torch.equal(mm(wide[:, :96]), quant_linear(wide[:, :96].contiguous(), mm.tiled, fmt, b))

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.kernels import cpu_isa
-from plait.kernels.cpu_fused import rms_norm, silu_mul
+from plait.kernels.cpu_fused import add_rms_norm, rms_norm, silu_mul
 from plait.kernels.cpu_linear import MAX_ROWS, block_bf16, skinny_linear
 from plait.kernels.cpu_quant import BlockTensor
 
@@ -106,6 +106,13 @@ class LinearMethod:
                      batch_invariant: bool) -> torch.Tensor:
         """apply(rms_norm(x, norm_w, eps)); a method may fuse the norm into its matmul."""
         return self.apply(layer, rms_norm(x, norm_w, eps), batch_invariant)
+
+    def apply_add_normed(self, layer: "Linear", x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
+                         eps: float, batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, apply(rms_norm(x + residual, norm_w, eps))) as cpu_fused.add_rms_norm (which writes
+        the sum into x); a method may fuse the two."""
+        x, h = add_rms_norm(x, residual, norm_w, eps)
+        return x, self.apply(layer, h, batch_invariant)
 
     def apply_silu_mul(self, layer: "Linear", gate_up: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
         """apply(silu(gate) * up) for gate_up = gate | up; a method may fuse the activation into its matmul."""
@@ -188,6 +195,11 @@ class Linear(nn.Module):
                        ) -> torch.Tensor:
         """self(rms_norm(x, norm_w, eps))."""
         return self.method.apply_normed(self, x, norm_w, eps, batch_invariant)
+
+    def forward_add_normed(self, x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                           batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, self(rms_norm(x + residual, norm_w, eps))): the residual stream and the next input."""
+        return self.method.apply_add_normed(self, x, residual, norm_w, eps, batch_invariant)
 
     def forward_silu_mul(self, gate_up: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         """self(silu(gate) * up), gate_up = gate | up."""

@@ -69,6 +69,12 @@ class BlockQuantizedMethod(LinearMethod):
             return super().apply_normed(layer, x, norm_w, eps, batch_invariant)
         return layer.qmatmul.normed(x, norm_w, eps)
 
+    def apply_add_normed(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
+                         eps: float, batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._onednn(layer, x, batch_invariant):
+            return super().apply_add_normed(layer, x, residual, norm_w, eps, batch_invariant)
+        return layer.qmatmul.add_normed(x, residual, norm_w, eps)
+
     def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
         if self._onednn(layer, gate_up, batch_invariant):
             return super().apply_silu_mul(layer, gate_up, batch_invariant)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.kernels.cpu_fused import add_rms_norm, rms_norm, rope_store
+from plait.kernels.cpu_fused import rms_norm, rope_store
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.layers.attention import paged_attention
 from plait.runtime.layers.linear import MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding, empty_param
@@ -94,8 +94,8 @@ class DecoderLayer(nn.Module):
         q = rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, pool.k[self.layer_id],
                        pool.v[self.layer_id], fb.out_slots)
         attn = paged_attention(fb, self.layer_id, pool, q, self.scale)
-        x, hs = add_rms_norm(x, self.o_proj(attn, inv), self.post_norm, self.eps)
-        return x + self.down_proj.forward_silu_mul(self.gate_up_proj(hs, inv), inv)
+        x, gate_up = self.gate_up_proj.forward_add_normed(x, self.o_proj(attn, inv), self.post_norm, self.eps, inv)
+        return x + self.down_proj.forward_silu_mul(gate_up, inv)
 
 
 class LlamaForCausalLM(nn.Module):
