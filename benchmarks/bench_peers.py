@@ -398,7 +398,8 @@ def _breakdown(runner, ids: list[list[int]], ns) -> str:
         for owner, attr in targets:
             wrap(owner, attr, key)
     lines = ["**One decode step, where the time goes** (default variant, prompts of ~200 tokens, ms per step)", "",
-             "| batch | step | matmul (with the norms and activation it fuses) | attention | other kernels | glue | batch metadata | sampling |",
+             "| batch | step | matmul (with the norms and activation it fuses) | attention | other kernels | glue "
+             "| batch metadata | sampling |",
              "|---|---|---|---|---|---|---|---|"]
     import torch
 
