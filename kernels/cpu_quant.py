@@ -130,12 +130,10 @@ def interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     return torch.cat([grouped, blocks[n4:]]).contiguous()
 
 
-def _tile_blocks(tiled: torch.Tensor, fmt: BlockFormat, tiles: torch.Tensor | None = None) -> torch.Tensor:
-    """Whole tiles of the kernel's layout (all, or those numbered `tiles`) as plain blocks [T, G, 4, block bytes]."""
+def _tile_blocks(tiled: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The whole tiles of the kernel's layout as plain blocks [T, G, 4, block bytes]."""
     n4, g = tiled.shape[0] // TILE * TILE, tiled.shape[1] // fmt.block_bytes
     grouped = tiled[:n4].view(n4 // TILE, g, TILE * fmt.block_bytes)
-    if tiles is not None:
-        grouped = grouped[tiles]
     parts = grouped.split([TILE * f for f in _fields(fmt)], -1)
     return torch.cat([p.reshape(p.shape[0], g, TILE, f) for p, f in zip(parts, _fields(fmt))], -1)
 
@@ -198,20 +196,7 @@ def quant_linear(x: torch.Tensor, tiled: torch.Tensor, fmt: BlockFormat, bias: t
     """x @ dequantize(w).T (+ bias) for a 2-D float32 x with the activations quantized to int16 per block:
     `quant_linear_ref`, by the C kernel where it applies (any row count; its per-row sums never depend
     on the batch). `tiled` is `interleave(blocks)`."""
-    n, k = tiled.shape[0], tiled.shape[1] // fmt.block_bytes * GROUP
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x of shape {tuple(x.shape)}: the weight takes [rows, {k}] features")
-    lib = _library()
-    if (lib is None or x.dtype is not torch.float32 or not x.is_cpu or not tiled.is_contiguous()
-            or (bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()))):
-        return quant_linear_ref(x, tiled, fmt, bias)
-    rows = x.shape[0]
-    if not x.is_contiguous():
-        x = x.contiguous()
-    y = torch.empty(rows, n, dtype=torch.float32)
-    lib.quant_linear(x.data_ptr(), tiled.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                     rows, n, k, fmt.code, AS_IS, None, 0.0, None, torch.get_num_threads())
-    return y
+    return QuantMatmul(tiled, fmt, bias)(x)
 
 
 class QuantMatmul:
@@ -229,13 +214,17 @@ class QuantMatmul:
         self._w, self._b = tiled.data_ptr(), None if bias is None else bias.data_ptr()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._fits(x, self.k):
-            return quant_linear(x, self.tiled, self.fmt, self.bias)  # validates, or the reference
-        return self._run(x, AS_IS, None, 0.0)
+        if self._fits(x, self.k):
+            return self._run(x, AS_IS, None, 0.0)
+        if x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(f"x of shape {tuple(x.shape)}: the weight takes [rows, {self.k}] features")
+        if self._fn is None or x.dtype is not torch.float32 or not x.is_cpu:
+            return quant_linear_ref(x, self.tiled, self.fmt, self.bias)
+        return self._run(x.contiguous(), AS_IS, None, 0.0)
 
     def normed(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """self(rms_norm(x, w, eps))."""
-        if not self._fits(x, self.k) or w.dtype is not torch.float32 or w.shape != (self.k,) or not w.is_contiguous():
+        if not self._fits(x, self.k) or not self._fits_norm(w):
             return self(cpu_fused.rms_norm(x, w, eps))
         return self._run(x, RMS_NORM, w.data_ptr(), eps)
 
@@ -243,7 +232,7 @@ class QuantMatmul:
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, self(rms_norm(x + residual, w, eps))), the sum written into x as cpu_fused.add_rms_norm."""
         if (not self._fits(x, self.k) or not self._fits(residual, self.k) or residual.shape != x.shape
-                or w.dtype is not torch.float32 or w.shape != (self.k,) or not w.is_contiguous()):
+                or not self._fits_norm(w)):
             x, h = cpu_fused.add_rms_norm(x, residual, w, eps)
             return x, self(h)
         return x, self._run(x, ADD_RMS_NORM, w.data_ptr(), eps, residual.data_ptr())
@@ -257,6 +246,9 @@ class QuantMatmul:
     def _fits(self, x: torch.Tensor, cols: int) -> bool:
         return (self._fn is not None and x.dtype is torch.float32 and x.is_cpu and x.dim() == 2
                 and x.shape[1] == cols and x.is_contiguous())
+
+    def _fits_norm(self, w: torch.Tensor) -> bool:
+        return w.dtype is torch.float32 and w.shape == (self.k,) and w.is_contiguous()
 
     def _run(self, x: torch.Tensor, prologue: int, norm_w: int | None, eps: float, residual: int | None = None
              ) -> torch.Tensor:

@@ -13,11 +13,12 @@
 // Integer dot products: each input row is quantized once per call to int16 in blocks of 32 (scale
 // absmax / 32767, round to nearest even: a relative error of ~1e-5, where int8 activations as in
 // llama.cpp cost this model 1-4% per matmul and a quarter of its greedy tokens), and a block's
-// dot product is exact in int32 lanes (`vpmaddwd`: pairs of int16 products). The weights' integers
-// are widened to int16 once per block and used for every input row. Then one float multiply-add
-// per block applies d_w * d_x, and for Q4_1 min_w times the block's exact float sum of x. With
-// AVX-512 a whole block is one 32-word register, so a block costs one widening, one vpmaddwd, one
-// conversion and one FMA per input row (the float work per block, not memory, bounds this kernel).
+// dot product is exact in int32 lanes (pairs of int16 products: `vpmaddwd`, or VNNI's `vpdpwssd` on
+// the 8-lane path). The weights' integers are widened to int16 once per block and used for every
+// input row. Then one float multiply-add per block applies d_w * d_x, and for Q4_1 min_w times the
+// block's exact float sum of x. With AVX-512 a whole block is one 32-word register, so a block costs
+// one widening, one vpmaddwd, one conversion and one FMA per input row: one input row is bound by
+// memory, many rows by that float work per block.
 //
 // Batch-invariant: every output is summed in one fixed order whatever M is (an input row is
 // quantized alone; integer sums are exact; the per-block float steps and the lane reduction are the
