@@ -246,6 +246,9 @@ def score(job: Job, results: list[tuple[Conversation, Result]], duration: float)
 
 
 # ---- offline: quality and step breakdown of plait's weight variants ---------------------------
+OFFLINE_ROUNDS = 4
+
+
 def offline(ns, tok, prompts: list[str]) -> list[str]:
     """Batch-1 decode speed and quality against float32 for each variant, in one process."""
     import torch
@@ -274,20 +277,25 @@ def offline(ns, tok, prompts: list[str]) -> list[str]:
             kl += float((lp.exp() * (lp - lq)).sum())
             n += lp.shape[0]
         rows.append((name, top1 / n, kl / n, n))
-    speed = {name: [] for name in runners}
-    for _ in range(2):  # alternating, twice
+    speed, load = {name: [] for name in runners}, [os.getloadavg()[0]]
+    # alternating rounds: this machine's memory bandwidth is shared and swings by a third within a
+    # minute, so one round of each says little about their ratio
+    for _ in range(OFFLINE_ROUNDS):
         for name, r in runners.items():
-            speed[name].append(_decode_speed(r, ids[0][:127], 64))
-    base = sum(speed["none"]) / 2
+            speed[name].append(_decode_speed(r, ids[0][:127], 128))
+    mean = {name: sum(v) / len(v) for name, v in speed.items()}
+    load.append(os.getloadavg()[0])
     lines = ["**plait's weight variants, offline** (in-process ModelRunner, batch-1 decode after a 127-token prompt, "
              f"{ns.threads} threads; quality over {rows[0][3]} next-token distributions along float32's greedy "
-             f"continuations of {len(ids)} prompts)", "",
-             "| variant | weights | batch-1 decode tok/s | vs unquantized (none) | top-1 agreement with float32 | mean KL |",
+             f"continuations of {len(ids)} prompts; 1-minute load average {load[0]:.1f} before the speed rounds, "
+             f"{load[1]:.1f} after)", "",
+             f"| variant | weights | batch-1 decode tok/s (mean; {OFFLINE_ROUNDS} rounds of 128 steps) | vs unquantized "
+             "(none) | top-1 agreement with float32 | mean KL |",
              "|---|---|---|---|---|---|"]
     for name, top1, kl, _ in rows:
-        s = sum(speed[name]) / 2
-        v = variants[name]
-        lines.append(f"| {name} | {v['dtype']}, quantization {v['quantization']} | {s:.1f} | {s / base:.2f}x | "
+        v, rounds = variants[name], " / ".join(f"{x:.1f}" for x in speed[name])
+        lines.append(f"| {name} | {v['dtype']}, quantization {v['quantization']} | {mean[name]:.1f} ({rounds}) | "
+                     f"{mean[name] / mean['none']:.2f}x | "
                      f"{100 * top1:.2f}% | {kl:.5f} |")
     lines += ["", _neighbour(runners["default"], ids[0][:127], ns), "", _breakdown(runners["default"], ids, ns)]
     del runners
