@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from plait.runtime.constrained.base import BACKENDS, JSON_KEY_ORDER, JSON_WHITESPACE
+
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -50,8 +52,17 @@ class ServerArgs:
     schedule_policy: str = _arg("lpm", "waiting-queue order", ["fcfs", "lpm"])
     disable_radix_cache: bool = _arg(False, "turn off prefix caching")
     random_seed: int = _arg(0, "seed for requests that give none")
-    grammar_backend: str = _arg("xgrammar", "constrained decoding backend for json_schema / regex / ebnf",
-                                ["xgrammar", "outlines", "none"])
+    grammar_backend: str = _arg(
+        "auto", "constrained decoding backend for json_schema / regex / ebnf; auto: per request, the first of "
+        "xgrammar, llguidance, outlines that enforces the whole constraint (README: Structured output)",
+        list(BACKENDS))
+    json_whitespace: str = _arg(
+        "flexible", "JSON-schema output layout, unless a request sets json_whitespace: flexible (the model may "
+        "write newlines and indentation: more outputs complete within max_tokens, README: Structured output) or "
+        "compact (', ' and ': ' only)", list(JSON_WHITESPACE))
+    json_key_order: str = _arg(
+        "schema", "JSON-schema key order, unless a request sets json_key_order: schema (the schema's order) or "
+        "any (any order, where the backend allows it: xgrammar)", list(JSON_KEY_ORDER))
     grammar_cache_size: int = _arg(256, "compiled grammars kept (LRU)")
     grammar_compile_timeout: float = _arg(30.0, "seconds a grammar may take to compile before its request fails")
     disable_jump_forward: bool = _arg(False, "sample every token even where the grammar allows only one continuation")

@@ -11,6 +11,7 @@ import time
 
 import jsonschema
 import pytest
+import torch
 
 from conftest import THREADS
 
@@ -70,51 +71,166 @@ def backends(tokenizer):
     from plait.runtime.constrained import create_backend
 
     eos = [tokenizer.eos_token_id]
-    return {name: create_backend(name, tokenizer, 49152, eos) for name in ("xgrammar", "outlines")}
+    return {name: create_backend(name, tokenizer, 49152, eos) for name in ("xgrammar", "llguidance", "outlines")}
 
 
 def _compact(data) -> str:
-    return json.dumps(data, ensure_ascii=False)  # xgrammar's separators: ", " and ": "
+    return json.dumps(data, ensure_ascii=False)  # the compact style's separators: ", " and ": "
+
+
+def _accepts(g, tokenizer, text: str) -> bool:
+    m = g.matcher()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return all(m.accept_token(i) for i in ids) and m.accept_token(tokenizer.eos_token_id)
 
 
 def test_corpus_soundness_without_a_model(backends, tokenizer):
-    """Every instance the corpus labels invalid is refused by the compiled grammar (an accepted one
-    would mean a keyword is silently dropped); valid instances are mostly accepted (xgrammar fixes
-    key order to the schema's and forbids unlisted properties, so some are refused). Every sixth
-    schema here; the whole corpus in `make test-slow`."""
-    _check_soundness(backends, tokenizer, corpus(every=6), min_compiled=20)
+    """For each backend, every instance the corpus labels invalid is refused by the compiled grammar
+    (an accepted one would mean a keyword is silently dropped); valid instances are mostly accepted
+    (key order is the schema's, so some are refused). `auto` takes the first backend that compiles a
+    schema, so it accepts their union. Every sixth schema here; the whole corpus, outlines-core too,
+    in `make test-slow`."""
+    rows = corpus(every=6)
+    accepted = {name: _check_soundness(backends[name], tokenizer, rows) for name in ("xgrammar", "llguidance")}
+    assert len(accepted["xgrammar"]) >= 20 and len(accepted["llguidance"]) >= 20
+    union = accepted["xgrammar"] | accepted["llguidance"]
+    print(f"auto: {len(union)}/{len(rows)}")
+    assert len(union) >= 30  # 34 of these 50 when written (xgrammar alone 27)
 
 
 @pytest.mark.slow
 def test_full_corpus_soundness_without_a_model(backends, tokenizer):
-    _check_soundness(backends, tokenizer, corpus(), min_compiled=120)
+    rows = corpus()
+    accepted = {name: _check_soundness(backend, tokenizer, rows) for name, backend in backends.items()}
+    assert len(accepted["xgrammar"]) >= 120 and len(accepted["llguidance"]) >= 150
+    print(f"auto: {len(set().union(*accepted.values()))}/{len(rows)}")
 
 
-def _check_soundness(backends, tokenizer, rows: list[dict], min_compiled: int) -> None:
+def _check_soundness(backend, tokenizer, rows: list[dict]) -> set[str]:
+    """The ids of the schemas the backend compiles; asserts none accepts an invalid instance."""
     from plait.runtime.constrained import GrammarError
 
-    backend = backends["xgrammar"]
-    compiled = rejected = valid_ok = valid_all = 0
+    compiled, valid_ok, valid_all = set(), 0, 0
     for row in rows:
         try:
             g = backend.compile("json_schema", json.dumps(row["schema"]))
         except GrammarError as e:
-            rejected += 1
             assert str(e), row["id"]
             continue
-        compiled += 1
+        compiled.add(row["id"])
         for t in row["tests"]:
-            m = g.matcher()
             text = _compact(t["data"])
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            ok = all(m.accept_token(i) for i in ids) and m.accept_token(tokenizer.eos_token_id)
+            ok = _accepts(g, tokenizer, text)
             if t["valid"]:
                 valid_all += 1
                 valid_ok += ok
             else:
-                assert not ok, f"{row['id']}: the grammar accepts an invalid instance {text[:200]}"
-    print(f"\nxgrammar: {compiled} compiled, {rejected} rejected; valid instances accepted {valid_ok}/{valid_all}")
-    assert compiled >= min_compiled and valid_ok >= valid_all // 3
+                assert not ok, f"{backend.name} {row['id']}: the grammar accepts an invalid instance {text[:200]}"
+    print(f"\n{backend.name}: {len(compiled)}/{len(rows)} compiled; valid instances accepted {valid_ok}/{valid_all}")
+    assert valid_ok >= valid_all // 3
+    return compiled
+
+
+# values around each format's edges; the checker's verdict is the truth (jsonschema's format checker)
+FORMAT_CASES = {
+    "date": ["2021-02-28", "2021-02-29", "2020-02-29", "1900-02-29", "2000-02-29", "2400-02-29", "0004-02-29",
+             "0000-02-29", "0000-01-01", "2021-04-30", "2021-04-31", "2021-06-31", "2021-12-31", "2021-13-01",
+             "2021-00-10", "2021-01-00", "2021-1-01", "20210101", "9999-12-31"],
+    "time": ["12:00:00Z", "12:00:00z", "12:00:00", "23:59:59Z", "23:59:60Z", "24:00:00Z", "00:00:00+00:00",
+             "12:00:00+01:00", "12:00:00-23:59", "12:00:00+24:00", "12:00:00.123Z", "12:00:00.Z", "12:60:00Z",
+             "12:00Z", "1:00:00Z"],
+    "date-time": ["2021-02-28T12:00:00Z", "2021-02-29T12:00:00Z", "2020-02-29T00:00:00+05:30",
+                  "2021-01-01t12:00:00z", "2021-01-01 12:00:00Z", "2021-01-01T12:00:00", "2021-01-01T23:59:60Z",
+                  "2021-04-31T10:00:00Z", "2021-01-01T12:00:00.5-08:00"],
+    "email": ["a@b.co", "a@b", "first.last@example.org", "ab.com", "@", "a@b@c"],
+    "ipv4": ["1.2.3.4", "0.0.0.0", "255.255.255.255", "256.1.1.1", "01.2.3.4", "1.2.3.04", "1.2.3", "1.2.3.4.5"],
+    "ipv6": ["::1", "::", "1:2:3:4:5:6:7:8", "1:2:3:4:5:6:7::", "fe80::1", "1:2:3:4:5:6:7:8:9", "1::2::3",
+             "12345::1", "fe80::1%eth0", "::ffff:1.2.3.4", "::1.2.3.4", "1:2:3:4:5:6:7:1.2.3.4", ":1"],
+    "hostname": ["example.com", "a", "xn--bcher-kva.ch", "1.2.3.4", "example.com.", "-a.com", "a-.com", "a..com",
+                 "ex_ample.com", "a" * 63 + ".com", "a" * 64 + ".com", ".".join(["b" * 63] * 4) + ".com"],
+    "uuid": ["123e4567-e89b-12d3-a456-426614174000", "123E4567-E89B-12D3-A456-426614174000",
+             "123e4567e89b12d3a456426614174000", "123e4567-e89b-12d3-a456-42661417400g",
+             "{123e4567-e89b-12d3-a456-426614174000}"],
+    "duration": ["P1D", "PT1H", "P1Y2M3DT4H5M6S", "P1W", "P", "PT", "P1DT", "1D", "P1W1D"],
+    "uri": ["http://a.com", "urn:isbn:1234", "mailto:a@b.com", "http:", "a.com", "http://a b.com", "//a.com"],
+    "uri-reference": ["http://a.com", "/a/b", "a/b?c#d", "", "http://a b.com", "\\a"],
+}
+# values a backend must also accept where it enforces the format (each one well inside it)
+FORMAT_TYPICAL = {"date": "2024-02-29", "time": "08:30:00Z", "date-time": "2024-02-29T08:30:00+01:00",
+                  "ipv4": "192.168.0.1", "hostname": "example.com", "uuid": "123e4567-e89b-12d3-a456-426614174000"}
+
+
+def test_formats_are_exact_for_every_backend(backends, tokenizer):
+    """Each format a backend enforces (natively, or as one of formats.py's exact patterns) admits no
+    value jsonschema's format checker rejects, leap days, month ends, leap seconds, time zones and IPv6
+    forms included; a format a backend cannot enforce exactly is refused by name."""
+    from plait.runtime.constrained import GrammarError
+
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    enforced = {}
+    for name, backend in backends.items():
+        enforced[name] = []
+        for fmt, values in FORMAT_CASES.items():
+            try:
+                g = backend.compile("json_schema", json.dumps({"type": "string", "format": fmt}))
+            except GrammarError as e:
+                assert f"format {fmt!r}" in str(e), (name, fmt, str(e))
+                continue
+            enforced[name].append(fmt)
+            for v in values:
+                if _accepts(g, tokenizer, json.dumps(v)):
+                    assert checker.conforms(v, fmt), f"{name} {fmt}: accepts {v!r}, which the checker rejects"
+            if fmt in FORMAT_TYPICAL:
+                assert _accepts(g, tokenizer, json.dumps(FORMAT_TYPICAL[fmt])), (name, fmt)
+    print("\nformats enforced:", enforced)
+    assert {"date", "time", "date-time", "ipv4", "hostname", "ipv6", "uuid"} <= set(enforced["llguidance"])
+    assert {"date", "time", "date-time", "ipv4", "uuid"} <= set(enforced["xgrammar"])
+
+
+def test_json_style_whitespace_and_key_order(backends, tokenizer):
+    from plait.runtime.constrained import GrammarError, JsonStyle
+
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+                         "required": ["a", "b"], "additionalProperties": False})
+    indented, reordered = '{\n  "a": 1,\n  "b": true\n}', '{"b": true, "a": 1}'
+    for name in ("xgrammar", "llguidance", "outlines"):
+        compact = backends[name].compile("json_schema", schema, JsonStyle("compact"))
+        flexible = backends[name].compile("json_schema", schema, JsonStyle("flexible"))
+        text = '{"a":1,"b":true}' if name == "outlines" else '{"a": 1, "b": true}'  # outlines: no spaces at all
+        assert _accepts(compact, tokenizer, text) and not _accepts(compact, tokenizer, indented), name
+        assert _accepts(flexible, tokenizer, indented), name
+        assert not _accepts(flexible, tokenizer, '{"a": 1,' + " " * 40 + '"b": true}'), name  # a bounded gap
+    any_order = backends["xgrammar"].compile("json_schema", schema, JsonStyle("compact", "any"))
+    compact = backends["xgrammar"].compile("json_schema", schema, JsonStyle("compact"))
+    assert _accepts(any_order, tokenizer, reordered) and not _accepts(compact, tokenizer, reordered)
+    with pytest.raises(ValueError, match="json_whitespace"):
+        JsonStyle("pretty")
+    with pytest.raises(GrammarError):
+        backends["llguidance"].compile("json_schema", json.dumps({"type": "array", "uniqueItems": True}))
+
+
+def test_llguidance_matcher_contract(backends, tokenizer):
+    """Refused tokens leave the state as it was; rollback, copy, jump-forward text and the end (EOS
+    taken where llguidance has stopped by itself) behave as xgrammar's matcher does."""
+    g = backends["llguidance"].compile("json_schema", json.dumps(PERSON))
+    m = g.matcher()
+    assert m.jump_forward_string() == '{"name": "'
+    ids = tokenizer.encode('{"name": "Ann", "age": 3', add_special_tokens=False)
+    assert all(m.accept_token(i) for i in ids)
+    bad = tokenizer.encode("x", add_special_tokens=False)[0]
+    assert not m.accept_token(bad) and m.accept_token(tokenizer.encode(",", add_special_tokens=False)[0])
+    m.rollback(1)
+    twin = m.copy()
+    rest = tokenizer.encode(', "city": "Paris", "tags": []}', add_special_tokens=False)
+    assert all(twin.accept_token(i) for i in rest) and twin.is_terminated()
+    assert twin.accept_token(tokenizer.eos_token_id) and not twin.accept_token(tokenizer.eos_token_id)
+    twin.rollback(2)  # the EOS and the closing brace
+    assert not twin.is_terminated() and twin.accept_token(rest[-1])
+    assert not m.is_terminated()  # the copy is independent
+    bitmask = torch.zeros(1, (49152 + 31) // 32, dtype=torch.int32)
+    m.fill_bitmask(bitmask, 0)
+    comma = tokenizer.encode(",", add_special_tokens=False)[0]
+    assert (int(bitmask[0, comma // 32]) >> (comma % 32)) & 1 and not (int(bitmask[0, bad // 32]) >> (bad % 32)) & 1
 
 
 # ---- the real model --------------------------------------------------------------------------
@@ -270,7 +386,8 @@ def test_jump_forward_is_exact_and_saves_forwards(engine, tokenizer):
     from plait import Engine
 
     prompts = [schema_prompt(tokenizer, {"schema": PERSON}) + f"Person {i}: " for i in range(4)]
-    params = {"json_schema": json.dumps(PERSON), "temperature": 0, "max_new_tokens": 96}
+    # compact: every key and separator forced (flexible whitespace leaves a choice after each comma)
+    params = {"json_schema": json.dumps(PERSON), "json_whitespace": "compact", "temperature": 0, "max_new_tokens": 96}
 
     def run(eng):
         before = eng.get_server_info()["forward_passes"]
@@ -304,11 +421,63 @@ def test_outlines_backend(tokenizer):
                             + [{"regex": REGEXES["date"], "max_new_tokens": 16},
                                {"regex": REGEXES["enum"], "temperature": 0.8, "max_new_tokens": 8}])
         for out in outs[:2]:
+            assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
+            assert out["meta_info"]["grammar_backend"] == "outlines"
             assert not list(jsonschema.Draft202012Validator(schema).iter_errors(json.loads(out["text"])))
         assert re.fullmatch(REGEXES["date"], outs[2]["text"]) and re.fullmatch(REGEXES["enum"], outs[3]["text"])
         with pytest.raises(ValueError, match="no EBNF"):
             eng.generate("x", {"ebnf": ARITH})
         with pytest.raises(ValueError, match="'minimum'"):
             eng.generate("x", {"json_schema": json.dumps({"type": "integer", "minimum": 1})})
+    finally:
+        eng.shutdown()
+
+
+def test_auto_backend_picks_per_request_and_reports_it(engine, tokenizer):
+    """The session engine runs --grammar-backend auto: a schema xgrammar enforces goes to xgrammar; one
+    it would only approximate (multipleOf, a hostname) to llguidance; the output validates with the
+    formats checked; the chosen backend is in meta_info."""
+    cases = [
+        (PERSON, "xgrammar"),
+        ({"type": "object", "properties": {"count": {"type": "integer", "multipleOf": 5, "minimum": 10},
+                                           "host": {"type": "string", "format": "hostname"}},
+          "required": ["count", "host"], "additionalProperties": False}, "llguidance"),
+    ]
+    outs = engine.generate([schema_prompt(tokenizer, {"schema": s}) for s, _ in cases],
+                           [{"json_schema": json.dumps(s), "temperature": 0, "max_new_tokens": 96} for s, _ in cases])
+    for (schema, backend), out in zip(cases, outs):
+        assert out["meta_info"]["grammar_backend"] == backend, out["meta_info"]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
+        v = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        assert not list(v.iter_errors(json.loads(out["text"]))), out["text"]
+    # per request: compact whitespace (no newline anywhere), over the server's flexible default
+    out = engine.generate(schema_prompt(tokenizer, {"schema": PERSON}), {
+        "json_schema": json.dumps(PERSON), "json_whitespace": "compact", "temperature": 0, "max_new_tokens": 96})
+    assert "\n" not in out["text"] and json.loads(out["text"])
+    with pytest.raises(ValueError, match="json_whitespace"):
+        engine.generate("x", {"json_schema": "{}", "json_whitespace": "pretty"})
+
+
+def test_llguidance_backend(tokenizer):
+    from plait import Engine
+
+    eng = Engine(num_threads=THREADS, max_total_tokens=4096, dtype="float32", log_level="warning",
+                 grammar_backend="llguidance")
+    try:
+        outs = eng.generate([schema_prompt(tokenizer, {"schema": PERSON})] * 2 + ["Date: ", "Colour: ", "SQL: "],
+                            [{"json_schema": json.dumps(PERSON), "temperature": t, "seed": 5, "max_new_tokens": 96}
+                             for t in (0, 0.8)]
+                            + [{"regex": REGEXES["date"], "max_new_tokens": 16},
+                               {"regex": REGEXES["enum"], "temperature": 0.8, "max_new_tokens": 8},
+                               {"ebnf": SQL, "temperature": 0, "max_new_tokens": 48}])
+        for out in outs:
+            assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
+            assert out["meta_info"]["grammar_backend"] == "llguidance"
+        for out in outs[:2]:
+            assert not list(jsonschema.Draft202012Validator(PERSON).iter_errors(json.loads(out["text"])))
+        assert re.fullmatch(REGEXES["date"], outs[2]["text"]) and re.fullmatch(REGEXES["enum"], outs[3]["text"])
+        assert re.fullmatch(SQL_RE, outs[4]["text"]), outs[4]["text"]
+        with pytest.raises(ValueError, match="'uniqueItems'"):
+            eng.generate("x", {"json_schema": json.dumps({"type": "array", "uniqueItems": True})})
     finally:
         eng.shutdown()

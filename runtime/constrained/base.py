@@ -12,10 +12,36 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: server_args imports this module's choices without torch
+    import torch
 
 KINDS = ("json_schema", "regex", "ebnf")
+BACKENDS = ("auto", "xgrammar", "llguidance", "outlines", "none")
+JSON_WHITESPACE = ("compact", "flexible")
+JSON_KEY_ORDER = ("schema", "any")
+# flexible whitespace is bounded per gap: a small model left unbounded can emit newlines until max_tokens
+MAX_WHITESPACE = 12
+
+
+@dataclass(frozen=True)
+class JsonStyle:
+    """How a JSON schema's output may be laid out (both always validate). `compact`: one space after
+    ':' and ',' and none elsewhere; `flexible`: any JSON whitespace between tokens (at most
+    MAX_WHITESPACE characters a gap), so the model may write newlines and indentation. Key order
+    `schema`: properties in the schema's order; `any`: any order, where the backend can (xgrammar),
+    else the schema's (a subset of any order)."""
+
+    whitespace: str = "compact"
+    key_order: str = "schema"
+
+    def __post_init__(self) -> None:
+        if self.whitespace not in JSON_WHITESPACE:
+            raise ValueError(f"json_whitespace must be one of {list(JSON_WHITESPACE)}, got {self.whitespace!r}")
+        if self.key_order not in JSON_KEY_ORDER:
+            raise ValueError(f"json_key_order must be one of {list(JSON_KEY_ORDER)}, got {self.key_order!r}")
 
 
 class GrammarError(ValueError):
@@ -54,8 +80,9 @@ class GrammarBackend(ABC):
     name: str
 
     @abstractmethod
-    def compile(self, kind: str, text: str):
-        """A compiled grammar (with `.matcher() -> Matcher`); raises GrammarError."""
+    def compile(self, kind: str, text: str, style: JsonStyle = JsonStyle()):
+        """A compiled grammar (with `.matcher() -> Matcher` and `.backend`, the name of the backend
+        that compiled it); `style` applies to json_schema. Raises GrammarError."""
 
 
 def complete_utf8_prefix(data: bytes, end: int) -> str:
@@ -80,22 +107,22 @@ class Compile:
 
 
 class GrammarCache:
-    """Compiled grammars by (kind, text): a bounded LRU of compiles run by a thread pool.
+    """Compiled grammars by (kind, text, style): a bounded LRU of compiles run by a thread pool.
     Failures are cached too, so a bad grammar sent again fails at once."""
 
     def __init__(self, backend: GrammarBackend, capacity: int, workers: int = 2):
         self.backend = backend
         self.capacity = capacity
-        self._entries: OrderedDict[tuple[str, str], Compile] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, str, JsonStyle], Compile] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
         self.hits = 0
         self.misses = 0
 
-    def get(self, kind: str, text: str) -> Compile:
+    def get(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> Compile:
         if kind not in KINDS:
             raise GrammarError(f"unknown grammar kind {kind!r}")
-        key = (kind, text)
+        key = (kind, text, style if kind == "json_schema" else JsonStyle())
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -107,7 +134,7 @@ class GrammarCache:
 
             def run():
                 entry.started = time.perf_counter()
-                return self.backend.compile(kind, text)
+                return self.backend.compile(kind, text, key[2])
 
             entry.future = self._pool.submit(run)
             self._entries[key] = entry

@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from plait.runtime.constrained.base import GrammarBackend, GrammarError, Matcher
+from plait.runtime.constrained.base import MAX_WHITESPACE, GrammarBackend, GrammarError, JsonStyle, Matcher
 from plait.runtime.constrained.schema_policy import prepare_schema
 
 _MAX_ROLLBACK = 64
@@ -25,12 +25,16 @@ class OutlinesMatcher(Matcher):
         self._terminated = False
 
     def accept_token(self, token: int) -> bool:
-        if self._terminated or not self._guide.accepts_tokens([token]):
+        if self._terminated:
             return False
-        if token == self._eos:
+        if token == self._eos:  # accepts_tokens refuses EOS even in a final state: ask the state's tokens
+            if self._eos not in self._guide.get_tokens():
+                return False
             self._terminated = True
-        else:
+        elif self._guide.accepts_tokens([token]):
             self._guide.advance(token, return_tokens=False)
+        else:
+            return False
         self._accepted.append(token)
         return True
 
@@ -75,6 +79,8 @@ class OutlinesMatcher(Matcher):
 
 
 class _Compiled:
+    backend = "outlines"
+
     def __init__(self, index, eos_id: int, decode):
         self.index, self.eos_id, self.decode = index, eos_id, decode
 
@@ -92,7 +98,7 @@ class OutlinesBackend(GrammarBackend):
         self._vocab = Vocabulary(self._eos, token_bytes(tokenizer, vocab_size))
         self._decode = lambda ids: tokenizer.decode(ids)
 
-    def compile(self, kind: str, text: str) -> _Compiled:
+    def compile(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> _Compiled:
         from outlines_core import Index
         from outlines_core.json_schema import build_regex_from_schema
 
@@ -101,8 +107,9 @@ class OutlinesBackend(GrammarBackend):
         try:
             if kind == "json_schema":
                 schema = prepare_schema(text, self.name)
-                # compact JSON (no optional whitespace), as with xgrammar
-                regex = build_regex_from_schema(json.dumps(schema), "")
+                # compact: the separators' one space only (as xgrammar's)
+                gap = f"[ \\t\\n\\r]{{0,{MAX_WHITESPACE}}}" if style.whitespace == "flexible" else ""
+                regex = build_regex_from_schema(json.dumps(schema), gap)
             else:
                 regex = text
             index = Index(regex, self._vocab)

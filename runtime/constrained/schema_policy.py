@@ -13,7 +13,13 @@ Rewrites that keep the meaning exactly:
 - `allOf` is merged into its parent when the parts constrain different keywords;
 - draft-4 boolean `exclusiveMinimum`/`exclusiveMaximum` become the numeric form;
 - tuple `items: [...]` (drafts 4-7) becomes `prefixItems` (+ `additionalItems` as `items`);
-- an object schema naming no properties admits any (the backends would otherwise allow only `{}`).
+- an object schema naming no properties admits any (the backends would otherwise allow only `{}`);
+- a `format` the backend enforces only approximately becomes an exact `pattern` (formats.py), and a
+  format no validator asserts (`"format": "binary"`) is dropped, as validators ignore it.
+
+llguidance refuses what it does not implement by itself; the walker still lists its keywords, so a
+keyword it would accept but not enforce is refused here, and the message names keywords the same
+way for every backend.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import re
 from typing import Any
 
 from plait.runtime.constrained.base import GrammarError
+from plait.runtime.constrained.formats import EXACT
 
 # keywords with no effect on validity
 _ANNOTATIONS = {
@@ -48,17 +55,24 @@ _COMMON = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properti
 _SUPPORTED = {
     "xgrammar": _COMMON | {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
                            "propertyNames", "patternProperties", "maxProperties", "unevaluatedProperties"},
+    "llguidance": _COMMON | {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+                             "patternProperties", "minProperties", "maxProperties"},
     "outlines": _COMMON | {"minProperties"},
 }
 # formats jsonschema's format checker asserts, and which of them each backend enforces
 _ASSERTED_FORMATS = {"email", "idn-email", "date", "date-time", "time", "duration", "uri", "uri-reference", "iri",
                      "iri-reference", "uri-template", "ipv4", "ipv6", "hostname", "idn-hostname", "uuid", "regex",
                      "json-pointer", "relative-json-pointer"}
+# (each one checked against jsonschema's format checker on edge cases: tests/test_structured.py); the
+# others of formats.EXACT become patterns, where the backend takes them
 _FORMATS = {
-    "xgrammar": {"email", "date", "date-time", "time", "duration", "uri", "uri-reference", "ipv4", "ipv6",
-                 "hostname", "uuid"},
-    "outlines": {"email", "date", "date-time", "time", "uri", "uuid"},
+    "xgrammar": {"email", "duration", "uri", "uri-reference", "ipv6", "uuid"},
+    "llguidance": {"email", "duration", "uri", "ipv4", "ipv6", "uuid"},
+    "outlines": {"email", "uri", "uuid"},
 }
+# backends that enforce minLength/maxLength beside a pattern or format (xgrammar drops the lengths,
+# outlines-core the pattern)
+_LENGTHS_WITH_PATTERN = {"llguidance"}
 _FAMILIES = {
     "string": ("minLength", "maxLength", "pattern", "format"),
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
@@ -131,10 +145,11 @@ class _Walker:
                 if not _is_noop(key, s[key]):
                     self.bad(f"{ptr}/{key}", f"keyword {key!r}")
                 continue
-        if self.backend == "xgrammar" and ("pattern" in s or "format" in s) and ("minLength" in s or "maxLength" in s):
-            self.bad(ptr, "minLength/maxLength beside pattern or format (xgrammar drops the lengths)")
+        if (self.backend not in _LENGTHS_WITH_PATTERN and ("pattern" in s or "format" in s)
+                and ("minLength" in s or "maxLength" in s)):
+            self.bad(ptr, f"minLength/maxLength beside pattern or format (the {self.backend} backend drops one)")
         fmt = s.get("format")
-        if isinstance(fmt, str) and fmt in _ASSERTED_FORMATS and fmt not in _FORMATS[self.backend]:
+        if isinstance(fmt, str) and fmt not in _FORMATS[self.backend]:
             self.bad(f"{ptr}/format", f"format {fmt!r}")
         if "$ref" in s:
             target = self.resolve(s["$ref"], f"{ptr}/$ref") if isinstance(s["$ref"], str) else None
@@ -161,6 +176,7 @@ class _Walker:
         elif "additionalItems" in s:
             s.pop("additionalItems")  # without tuple items it has no effect
         self.infer_type(s, ptr)
+        self.exact_format(s)
         if s.get("uniqueItems") is False or (s.get("uniqueItems") and s.get("maxItems", 2) <= 1):
             s.pop("uniqueItems")
         if "minProperties" in s and s["minProperties"] <= len(set(s.get("required") or [])):
@@ -182,6 +198,25 @@ class _Walker:
             if not any(k in s for k in ("properties", "patternProperties", "additionalProperties",
                                         "unevaluatedProperties", "propertyNames")):
                 s["additionalProperties"] = True
+
+    def exact_format(self, s: dict) -> None:
+        """Drop a format no validator asserts; make one the backend enforces only approximately an
+        exact pattern (left in place, and refused, where the backend cannot take that pattern)."""
+        fmt = s.get("format")
+        if not isinstance(fmt, str) or fmt in _FORMATS[self.backend]:
+            return
+        if fmt not in _ASSERTED_FORMATS:
+            s.pop("format")
+            return
+        if fmt not in EXACT or "pattern" in s:
+            return
+        pattern, max_length = EXACT[fmt]
+        if max_length is not None and self.backend not in _LENGTHS_WITH_PATTERN:
+            return
+        s.pop("format")
+        s["pattern"] = f"^{pattern}$"
+        if max_length is not None:
+            s["maxLength"] = min(max_length, s.get("maxLength", max_length))
 
     def required_into_properties(self, s: dict, ptr: str) -> None:
         """Backends enforce `required` only for names listed in `properties`; list the others

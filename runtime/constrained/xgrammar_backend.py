@@ -7,7 +7,8 @@ import json
 
 import torch
 
-from plait.runtime.constrained.base import GrammarBackend, GrammarError, Matcher, complete_utf8_prefix
+from plait.runtime.constrained.base import (MAX_WHITESPACE, GrammarBackend, GrammarError, JsonStyle, Matcher,
+                                            complete_utf8_prefix)
 from plait.runtime.constrained.schema_policy import prepare_schema
 
 
@@ -51,6 +52,8 @@ class XGrammarMatcher(Matcher):
 
 
 class _Compiled:
+    backend = "xgrammar"
+
     def __init__(self, compiled):
         self.compiled = compiled
 
@@ -68,12 +71,14 @@ class XGrammarBackend(GrammarBackend):
         # plait keeps its own LRU (GrammarCache), so xgrammar's cache would only double the memory
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
-    def compile(self, kind: str, text: str) -> _Compiled:
+    def compile(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> _Compiled:
         try:
             if kind == "json_schema":
                 schema = prepare_schema(text, self.name)
-                # compact separators: no whitespace for a small model to ramble in
-                g = self._compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+                flexible = style.whitespace == "flexible"
+                g = self._compiler.compile_json_schema(
+                    json.dumps(schema), any_whitespace=flexible, max_whitespace_cnt=MAX_WHITESPACE if flexible else None,
+                    strict_mode=True, any_order=style.key_order == "any")
             elif kind == "regex":
                 g = self._compiler.compile_regex(text)
             else:

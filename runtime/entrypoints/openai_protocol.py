@@ -97,6 +97,8 @@ class _Common(BaseModel):
     regex: str | None = None
     ebnf: str | None = None
     response_format: ResponseFormat | None = None
+    json_whitespace: Literal["compact", "flexible"] | None = None  # plait: the layout of a json_schema output
+    json_key_order: Literal["schema", "any"] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -113,6 +115,9 @@ class _Common(BaseModel):
             given["json_schema"] = schema
         if len(given) > 1:
             raise ValueError(f"give at most one of regex, ebnf, response_format; got {sorted(given)}")
+        if "json_schema" in given:
+            given.update({k: v for k, v in (("json_whitespace", self.json_whitespace),
+                                            ("json_key_order", self.json_key_order)) if v is not None})
         return given
 
     def sampling_params(self, max_new_tokens: int, index: int) -> dict[str, Any]:

@@ -72,6 +72,7 @@ class TokenOut(msgspec.Struct):
     queue_time: float | None = None  # seconds waited before admission, on the request's first output
     num_retractions: int = 0  # times the request was sent back to the queue to free KV
     decode: DecodeSpec | None = None  # on the request's first output
+    grammar_backend: str | None = None  # the backend that compiled the request's grammar, if it has one
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):

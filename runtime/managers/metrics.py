@@ -35,6 +35,9 @@ class Metrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache")
         self.requests = counter("num_requests", "Requests finished")
+        self._grammar = Counter("plait:grammar_requests", "Constrained requests finished, by the grammar backend "
+                                "that compiled them", labels + ["backend"], registry=r)
+        self._model_name = model_name
         self.running = gauge("num_running_reqs", "Requests running")
         self.queued = gauge("num_queue_reqs", "Requests waiting")
         self.kv_usage = gauge("token_usage", "Fraction of the KV pool in use")
@@ -62,6 +65,8 @@ class Metrics:
         self.generation_tokens.inc(st.counts["completion_tokens"])
         self.cached_tokens.inc(st.counts["cached_tokens"])
         self.requests.inc()
+        if st.grammar_backend is not None:
+            self._grammar.labels(self._model_name, st.grammar_backend).inc()
 
     def on_stats(self, s) -> None:
         self.running.set(s.num_running)

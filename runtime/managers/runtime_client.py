@@ -5,7 +5,7 @@ detokenizer's outputs per request. Runs on an asyncio loop; the HTTP server and 
 Results have the shape of SGLang's /generate response:
     {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
      "completion_tokens", "cached_tokens", "reasoning_tokens", "num_retractions",
-     "weight_version", "e2e_latency", [logprobs..., "output_token_logprobs_length"]}}
+     "weight_version", "e2e_latency", ["grammar_backend"], [logprobs..., "output_token_logprobs_length"]}}
 
 Streamed snapshots carry SGLang's split: output logprobs are the snapshot's own (its new
 tokens), everything else (counts, input logprobs, output_token_logprobs_length) is cumulative.
@@ -141,6 +141,7 @@ class ReqState:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.queue_time: float | None = None
+        self.grammar_backend: str | None = None
         self.changed = asyncio.Event()
 
     def apply(self, so: StrOut) -> None:
@@ -156,6 +157,7 @@ class ReqState:
                        "num_retractions": o.num_retractions}
         if o.queue_time is not None:
             self.queue_time = o.queue_time
+        self.grammar_backend = o.grammar_backend or self.grammar_backend
         if o.finish is not None:
             self.finish = o.finish
         self.changed.set()
@@ -322,6 +324,8 @@ class RuntimeClient:
             "weight_version": "default",  # SGLang's value while no weights were updated (plait cannot)
             "e2e_latency": time.perf_counter() - st.created,
         }
+        if st.grammar_backend is not None:
+            meta["grammar_backend"] = st.grammar_backend
         if st.msg.return_logprob:
             def part(key: str, items: list) -> list:
                 if not delta_logprobs or key.startswith("in_"):  # input logprobs are cumulative, as in SGLang

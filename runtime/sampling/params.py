@@ -8,6 +8,8 @@ from typing import Any
 
 import msgspec
 
+from plait.runtime.constrained.base import JSON_KEY_ORDER, JSON_WHITESPACE
+
 INT64_MAX = 2**63 - 1
 GREEDY_TEMPERATURE = 1e-5
 
@@ -33,6 +35,9 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    # the layout of a json_schema output (constrained/base.JsonStyle); None: the server's flags
+    json_whitespace: str | None = None
+    json_key_order: str | None = None
     # SGLang's keys that plait accepts but cannot honour: null or default only (the sglang
     # frontend always sends them), anything else is refused rather than silently ignored
     n: int = 1
@@ -98,6 +103,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             raise ValueError(f"sampling_params: give at most one of regex, json_schema, ebnf; got {given}")
         if self.stop_regex:
             bad("stop_regex", "is not supported")
+        if self.json_whitespace is not None and self.json_whitespace not in JSON_WHITESPACE:
+            bad("json_whitespace", f"must be one of {list(JSON_WHITESPACE)}")
+        if self.json_key_order is not None and self.json_key_order not in JSON_KEY_ORDER:
+            bad("json_key_order", f"must be one of {list(JSON_KEY_ORDER)}")
 
     @property
     def grammar(self) -> tuple[str, str] | None:

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from plait.runtime.constrained import GrammarCache, GrammarError, create_backend
+from plait.runtime.constrained import GrammarCache, GrammarError, JsonStyle, create_backend
 from plait.runtime.constrained.bitmask import allocate_bitmask, apply_token_bitmask_
 from plait.runtime.constrained.jump_forward import accepted_prefix, plan_draft
 from plait.runtime.managers.io_struct import FinishReason
@@ -45,13 +45,16 @@ class GrammarManager:
         self.tokens_jumped = 0  # draft tokens the model confirmed
         self.drafted = 0
         self.lazy_fills = 0  # masks filled because an unmasked pick was rejected
+        self.backend_counts: dict[str, int] = {}  # constrained requests started, by the backend that compiled them
         self._faults: list[tuple[Req, Exception]] = []  # mask fills that raised, for the scheduler to fail
 
     # ---- compile ---------------------------------------------------------------------------
     def submit(self, req: Req, kind: str, text: str) -> None:
         if self.cache is None:
             raise ValueError(f"sampling_params.{kind} needs a grammar backend (the server runs with --grammar-backend none)")
-        req.grammar_compile = self.cache.get(kind, text)
+        p = req.params
+        style = JsonStyle(p.json_whitespace or self.args.json_whitespace, p.json_key_order or self.args.json_key_order)
+        req.grammar_compile = self.cache.get(kind, text, style)
         self.compiling.append(req)
 
     def poll(self) -> list[Req]:
@@ -64,7 +67,10 @@ class GrammarManager:
             elif fut.done():
                 err = fut.exception()
                 if err is None:
-                    req.grammar = fut.result().matcher()
+                    compiled = fut.result()
+                    req.grammar = compiled.matcher()
+                    req.grammar_backend = compiled.backend
+                    self.backend_counts[compiled.backend] = self.backend_counts.get(compiled.backend, 0) + 1
                 else:
                     msg = str(err) if isinstance(err, GrammarError) else f"grammar compile failed: {err!r}"
                     req.finish = FinishReason("abort", message=msg, status=400)
@@ -247,5 +253,6 @@ class GrammarManager:
     def stats(self) -> dict:
         return {"num_compiling": len(self.compiling), "tokens_jumped": self.tokens_jumped,
                 "tokens_drafted": self.drafted, "lazy_mask_fills": self.lazy_fills,
+                "grammar_backends": dict(self.backend_counts),
                 "grammar_cache_hits": self.cache.hits if self.cache else 0,
                 "grammar_cache_misses": self.cache.misses if self.cache else 0}

@@ -1,0 +1,34 @@
+"""`--grammar-backend auto`: per request, the first backend that enforces the whole constraint.
+
+Each backend decides by its own keyword policy (schema_policy.py, measured by the soundness tests),
+so a schema one backend would only approximate goes to another that enforces it exactly, and a
+request is refused (a 400 listing what each backend refused) only when none can. xgrammar is tried
+first (its masks come from a precomputed cache: the cheapest per token), then llguidance (the widest
+JSON-schema coverage), then outlines-core.
+"""
+
+from __future__ import annotations
+
+from plait.runtime.constrained.base import GrammarBackend, GrammarError, JsonStyle
+
+ORDER = ("xgrammar", "llguidance", "outlines")
+_KINDS_OF = {"xgrammar": ("json_schema", "regex", "ebnf"), "llguidance": ("json_schema", "regex", "ebnf"),
+             "outlines": ("json_schema", "regex")}
+
+
+class AutoBackend(GrammarBackend):
+    name = "auto"
+
+    def __init__(self, backends: list[GrammarBackend]):
+        self.backends = backends
+
+    def compile(self, kind: str, text: str, style: JsonStyle = JsonStyle()):
+        refusals = []
+        for backend in self.backends:
+            if kind not in _KINDS_OF[backend.name]:
+                continue
+            try:
+                return backend.compile(kind, text, style)
+            except GrammarError as e:
+                refusals.append(f"{backend.name}: {e}")
+        raise GrammarError(f"no grammar backend can enforce this {kind}: " + " | ".join(refusals))

@@ -1,0 +1,112 @@
+"""llguidance backend: JSON schema, regex, `ebnf` as GBNF (converted to Lark) or Lark itself, an
+Earley parser over a lexer with token masks computed on demand (no precomputed mask cache, so
+compiles take milliseconds). Its tokenizer is built from the model's own Hugging Face tokenizer.
+
+llguidance's matcher never raises on a bad token: it enters an error state for good. So a token is
+tried first (`try_consume_tokens`), which leaves the state unchanged when it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from plait.runtime.constrained.base import (MAX_WHITESPACE, GrammarBackend, GrammarError, JsonStyle, Matcher,
+                                            complete_utf8_prefix)
+from plait.runtime.constrained.schema_policy import prepare_schema
+
+
+class LLGuidanceMatcher(Matcher):
+    def __init__(self, matcher, eos_ids: frozenset[int], eos_taken: bool = False):
+        self._m, self._eos = matcher, eos_ids
+        # llguidance stops by itself where the grammar admits nothing more, and then refuses EOS; plait's
+        # matchers take that EOS (as xgrammar's do), so it is only noted, for rollback
+        self._eos_taken = eos_taken
+
+    def accept_token(self, token: int) -> bool:
+        if self._m.is_stopped():
+            if token in self._eos and not self._eos_taken and self._m.is_accepting() and not self._m.is_error():
+                self._eos_taken = True
+                return True
+            return False
+        return self._m.try_consume_tokens([token]) == 1
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        target = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+        if self._m.is_error():
+            raise RuntimeError(f"llguidance: {self._m.get_error()}")
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self._eos_taken:
+            self._eos_taken, num_tokens = False, num_tokens - 1
+        if num_tokens and not self._m.rollback(num_tokens):
+            raise RuntimeError(f"llguidance could not roll back {num_tokens} tokens: {self._m.get_error()}")
+
+    def is_terminated(self) -> bool:
+        # stopped: EOS was taken, or the grammar admits nothing more (then only EOS could follow)
+        return self._m.is_stopped() and not self._m.is_error()
+
+    def jump_forward_string(self) -> str:
+        forced = self._m.compute_ff_bytes()
+        try:
+            return forced.decode("utf-8")
+        except UnicodeDecodeError as e:  # the forced bytes end inside a UTF-8 sequence
+            return complete_utf8_prefix(forced, e.start)
+
+    def copy(self) -> "LLGuidanceMatcher":
+        return LLGuidanceMatcher(self._m.deep_copy(), self._eos, self._eos_taken)
+
+
+class _Compiled:
+    """One matcher built at compile time; each request gets a deep copy (building one is the compile)."""
+
+    backend = "llguidance"
+
+    def __init__(self, matcher, eos_ids: frozenset[int]):
+        self._template, self._eos = matcher, eos_ids
+
+    def matcher(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._template.deep_copy(), self._eos)
+
+
+class LLGuidanceBackend(GrammarBackend):
+    name = "llguidance"
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
+        import llguidance.hf
+
+        # n_vocab: the model's rows (may exceed the tokenizer's), so masks have the bitmask's width
+        self._tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+        self._eos = frozenset(eos_ids)
+
+    def compile(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> _Compiled:
+        import llguidance
+
+        if kind == "json_schema":  # keys in the schema's order always (llguidance has no other)
+            schema = prepare_schema(text, self.name)
+            if style.whitespace == "flexible":
+                options = {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE}}}"}
+            else:  # xgrammar's compact separators, so the backends write alike
+                options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
+        elif kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(text)
+        else:  # GBNF (SGLang's `ebnf`) converted to Lark; a grammar already in Lark passes as it is
+            from llguidance.gbnf_to_lark import any_to_lark
+
+            try:
+                lark = any_to_lark(text)
+            except Exception as e:  # noqa: BLE001 - the converter raises plain exceptions on bad GBNF
+                raise GrammarError(f"invalid ebnf: {_first_line(e)}") from None
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        matcher = llguidance.LLMatcher(self._tok, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"invalid {kind}: {_first_line(matcher.get_error())}")
+        return _Compiled(matcher, self._eos)
+
+
+def _first_line(e) -> str:
+    msg = str(e).strip()
+    return msg.splitlines()[0] if msg else type(e).__name__
