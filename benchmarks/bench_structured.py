@@ -4,8 +4,8 @@
    (jump-forward off, so both sample every token; the unconstrained run decodes exactly as
    many tokens per request as its constrained twin);
 2. JSON-schema requests per second with jump-forward on vs off (same requests, greedy);
-3. grammar compile time p50/p99 over the real-world schema corpus, for both backends, with
-   coverage (compiled / rejected / over the timeout).
+3. over the real-world schema corpus, for every backend and `auto`: coverage (compiled /
+   rejected / over the timeout), compile p50/p99, and the mask fill's cost per token.
 
     python benchmarks/bench_structured.py                  # all three, table in results/structured.md
     python benchmarks/bench_structured.py --skip-compile   # 1 and 2 only
@@ -129,29 +129,47 @@ def _compile_worker(backend_name: str, jobs, results) -> None:
     from plait.runtime.model_loader import load_tokenizer
     from plait.runtime.server_args import default_model_path
 
+    import torch
+
+    from plait.runtime.constrained.bitmask import allocate_bitmask
+
     tok = load_tokenizer(default_model_path())
     backend = create_backend(backend_name, tok, 49152, [tok.eos_token_id])
-    results.put(("ready", None, 0.0))
+    bitmask = allocate_bitmask(1, 49152)
+    results.put(("ready", None, 0.0, None, []))
     while True:
         job = jobs.get()
         if job is None:
             return
-        i, text = job
+        i, text, instance = job
         t0 = time.perf_counter()
+        fills, chosen = [], None
         try:
-            backend.compile("json_schema", text)
-            status = "ok"
+            compiled = backend.compile("json_schema", text)
+            status, chosen = "ok", compiled.backend
         except GrammarError:
             status = "rejected"
         except Exception:  # noqa: BLE001 - a backend crash counts as a rejection
             status = "rejected"
-        results.put((status, i, time.perf_counter() - t0))
+        dt = time.perf_counter() - t0
+        if status == "ok" and instance is not None:
+            # the mask at every position of a valid instance (compact layout), as a request would fill them
+            m = compiled.matcher()
+            with torch.inference_mode():
+                for t in tok.encode(instance, add_special_tokens=False):
+                    t1 = time.perf_counter()
+                    m.fill_bitmask(bitmask, 0)
+                    fills.append(time.perf_counter() - t1)
+                    if not m.accept_token(t):
+                        break
+        results.put((status, i, dt, chosen, fills))
 
 
-def compile_times(backend_name: str, schemas: list[str], timeout: float) -> dict:
-    """Compile every schema in a worker process (a runaway compile is killed at `timeout`)."""
+def compile_times(backend_name: str, schemas: list[str], instances: list[str | None], timeout: float) -> dict:
+    """Compile every schema in a worker process (a runaway compile is killed at `timeout`), and time
+    the mask fills along one valid instance of each compiled schema."""
     ctx = mp.get_context("spawn")
-    stats = {"ok": [], "rejected": [], "timeout": []}
+    stats = {"ok": [], "rejected": [], "timeout": [], "fills": [], "chosen": {}}
     i = 0
     while i < len(schemas):
         jobs, results = ctx.Queue(), ctx.Queue()
@@ -159,10 +177,13 @@ def compile_times(backend_name: str, schemas: list[str], timeout: float) -> dict
         proc.start()
         results.get(timeout=120)
         while i < len(schemas):
-            jobs.put((i, schemas[i]))
+            jobs.put((i, schemas[i], instances[i]))
             try:
-                status, _, dt = results.get(timeout=timeout)
+                status, _, dt, chosen, fills = results.get(timeout=timeout + 30)
                 stats[status].append(dt)
+                stats["fills"] += fills
+                if chosen:
+                    stats["chosen"][chosen] = stats["chosen"].get(chosen, 0) + 1
             except Exception:  # noqa: BLE001 - queue.Empty: over the timeout
                 stats["timeout"].append(timeout)
                 proc.kill()
@@ -214,15 +235,23 @@ def main() -> None:
 
     if not args.skip_compile:
         with open(CORPUS) as f:
-            schemas = [json.dumps(json.loads(line)["schema"]) for line in f if line.strip()]
-        lines += ["", f"**Grammar compile time over the {len(schemas)}-schema corpus** (timeout "
-                      f"{args.compile_timeout:g} s per schema)", "",
-                  "| backend | compiled | rejected (400) | over timeout | p50 ms | p99 ms |", "|---|---|---|---|---|---|"]
-        for name in ("xgrammar", "outlines"):
-            st = compile_times(name, schemas, args.compile_timeout)
-            ok = st["ok"]
+            rows = [json.loads(line) for line in f if line.strip()]
+        schemas = [json.dumps(r["schema"]) for r in rows]
+        instances = [next((json.dumps(t["data"], ensure_ascii=False) for t in r["tests"] if t["valid"]), None)
+                     for r in rows]
+        lines += ["", f"**Grammar backends over the {len(schemas)}-schema corpus** (compile timeout "
+                      f"{args.compile_timeout:g} s per schema; mask fill per token along one valid instance of each "
+                      "compiled schema, compact layout, one thread)", "",
+                  "| backend | compiled | rejected (400) | over timeout | compile p50 ms | compile p99 ms | "
+                  "mask mean µs/token | mask p99 µs | compiled by |", "|---|---|---|---|---|---|---|---|---|"]
+        for name in ("xgrammar", "llguidance", "outlines", "auto"):
+            st = compile_times(name, schemas, instances, args.compile_timeout)
+            ok, fills = st["ok"], st["fills"]
+            by = ", ".join(f"{k} {v}" for k, v in sorted(st["chosen"].items(), key=lambda kv: -kv[1]))
+            mean = sum(fills) / len(fills) * 1e6 if fills else float("nan")
             lines.append(f"| {name} | {len(ok)} | {len(st['rejected'])} | {len(st['timeout'])} | "
-                         f"{pct(ok, 0.5) * 1000:.1f} | {pct(ok, 0.99) * 1000:.0f} |")
+                         f"{pct(ok, 0.5) * 1000:.1f} | {pct(ok, 0.99) * 1000:.0f} | {mean:.0f} | "
+                         f"{pct(fills, 0.99) * 1e6:.0f} | {by} |")
             print(lines[-1], flush=True)
 
     table = "\n".join(lines)

@@ -57,9 +57,9 @@ class ServerArgs:
         "xgrammar, llguidance, outlines that enforces the whole constraint (README: Structured output)",
         list(BACKENDS))
     json_whitespace: str = _arg(
-        "flexible", "JSON-schema output layout, unless a request sets json_whitespace: flexible (the model may "
-        "write newlines and indentation: more outputs complete within max_tokens, README: Structured output) or "
-        "compact (', ' and ': ' only)", list(JSON_WHITESPACE))
+        "compact", "JSON-schema output layout, unless a request sets json_whitespace: compact (', ' and ': ' only: "
+        "measured to complete more outputs within max_tokens, README: Structured output) or flexible (the model "
+        "may write newlines and indentation)", list(JSON_WHITESPACE))
     json_key_order: str = _arg(
         "schema", "JSON-schema key order, unless a request sets json_key_order: schema (the schema's order) or "
         "any (any order, where the backend allows it: xgrammar)", list(JSON_KEY_ORDER))

@@ -60,6 +60,7 @@ def test_every_public_name_and_method_of_sglang_lang_exists():
     assert regexes and all(hasattr(pl.lang.ir, r) for r in regexes)
 
 
+@pytest.mark.slow  # 1.5-3 minutes (a server, a Runtime and SGLang's frontend at once): `make test-slow`
 def test_sglang_test_programs_run_on_plait():
     results: dict[str, dict] = {}
     errors: list[BaseException] = []
