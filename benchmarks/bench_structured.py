@@ -179,7 +179,10 @@ def compile_times(backend_name: str, schemas: list[str], instances: list[str | N
         while i < len(schemas):
             jobs.put((i, schemas[i], instances[i]))
             try:
+                # the mask walk after the compile gets its own margin; a compile over the timeout counts as one
                 status, _, dt, chosen, fills = results.get(timeout=timeout + 30)
+                if status == "ok" and dt > timeout:
+                    status, chosen, fills = "timeout", None, []
                 stats[status].append(dt)
                 stats["fills"] += fills
                 if chosen:
@@ -226,6 +229,7 @@ def main() -> None:
     ap.add_argument("--skip-compile", action="store_true")
     ap.add_argument("--only-compile", action="store_true")
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--backends", default="xgrammar,llguidance,outlines,auto", help="for the corpus table")
     args = ap.parse_args()
     cmd = "python benchmarks/bench_structured.py " + " ".join(sys.argv[1:])
     lines = [f"`{cmd}` (fp32, {args.threads} threads, default model)", ""]
@@ -244,7 +248,7 @@ def main() -> None:
                       "compiled schema, compact layout, one thread)", "",
                   "| backend | compiled | rejected (400) | over timeout | compile p50 ms | compile p99 ms | "
                   "mask mean µs/token | mask p99 µs | compiled by |", "|---|---|---|---|---|---|---|---|---|"]
-        for name in ("xgrammar", "llguidance", "outlines", "auto"):
+        for name in args.backends.split(","):
             st = compile_times(name, schemas, instances, args.compile_timeout)
             ok, fills = st["ok"], st["fills"]
             by = ", ".join(f"{k} {v}" for k, v in sorted(st["chosen"].items(), key=lambda kv: -kv[1]))
