@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from reliability import run_load
 from server_util import Server
 
 
+@pytest.mark.slow  # 40-75 s; `make test-reliability` runs the full version
 def test_mixed_load_with_disconnects_and_aborts_loses_nothing():
     srv = Server("--max-total-tokens", "16384", "--max-running-requests", "32")
     try:
