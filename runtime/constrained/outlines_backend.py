@@ -107,7 +107,7 @@ class OutlinesBackend(GrammarBackend):
         try:
             if kind == "json_schema":
                 schema = prepare_schema(text, self.name)
-                # compact: the separators' one space only (as xgrammar's)
+                # compact: no whitespace at all (outlines-core puts the gap pattern around every separator)
                 gap = f"[ \\t\\n\\r]{{0,{MAX_WHITESPACE}}}" if style.whitespace == "flexible" else ""
                 regex = build_regex_from_schema(json.dumps(schema), gap)
             else:

@@ -45,7 +45,6 @@ class GrammarManager:
         self.tokens_jumped = 0  # draft tokens the model confirmed
         self.drafted = 0
         self.lazy_fills = 0  # masks filled because an unmasked pick was rejected
-        self.backend_counts: dict[str, int] = {}  # constrained requests started, by the backend that compiled them
         self._faults: list[tuple[Req, Exception]] = []  # mask fills that raised, for the scheduler to fail
 
     # ---- compile ---------------------------------------------------------------------------
@@ -70,7 +69,6 @@ class GrammarManager:
                     compiled = fut.result()
                     req.grammar = compiled.matcher()
                     req.grammar_backend = compiled.backend
-                    self.backend_counts[compiled.backend] = self.backend_counts.get(compiled.backend, 0) + 1
                 else:
                     msg = str(err) if isinstance(err, GrammarError) else f"grammar compile failed: {err!r}"
                     req.finish = FinishReason("abort", message=msg, status=400)
@@ -253,6 +251,5 @@ class GrammarManager:
     def stats(self) -> dict:
         return {"num_compiling": len(self.compiling), "tokens_jumped": self.tokens_jumped,
                 "tokens_drafted": self.drafted, "lazy_mask_fills": self.lazy_fills,
-                "grammar_backends": dict(self.backend_counts),
                 "grammar_cache_hits": self.cache.hits if self.cache else 0,
                 "grammar_cache_misses": self.cache.misses if self.cache else 0}
