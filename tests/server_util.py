@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -29,11 +30,13 @@ class Server:
                "--log-level", "warning", *flags]
         if api_key:
             cmd += ["--api-key", api_key]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # the log goes to a file: a pipe nobody reads fills up (64 KiB of tracebacks) and blocks the server
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited during start-up:\n{self.proc.stdout.read().decode()[-4000:]}")
+                raise RuntimeError(f"server exited during start-up:\n{self.output()[-4000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -42,6 +45,11 @@ class Server:
             time.sleep(0.3)
         self.proc.kill()
         raise RuntimeError("server did not become healthy")
+
+    def output(self) -> str:
+        """What the server has logged so far."""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
 
     @property
     def headers(self) -> dict:

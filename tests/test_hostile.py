@@ -75,6 +75,9 @@ CASES = [
     (*raw("/generate", '{"text": "hi", "sampling_params": {"temperature": Infinity}}'), 400, "temperature"),
     (*raw("/generate", '{"text": "hi", "sampling_params": {"temperature": 1e999}}'), 400, "temperature"),
     (*raw("/generate", '{"text": "hi", "sampling_params": {"repetition_penalty": NaN}}'), 400, "repetition_penalty"),
+    (*gen({"repetition_penalty": 1e-300}), 400, "repetition_penalty"),  # 0 in float32: logits / 0
+    (*gen({}, stream="yes"), 400, "stream"),
+    (*gen({}, return_text_in_logprobs=1), 400, "return_text_in_logprobs"),
     (*raw("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "top_p": NaN}'), 400, "top_p"),
     (*chat(temperature="0.5"), 400, "temperature"),
     (*chat(n=True), 400, "n"),
@@ -134,6 +137,14 @@ def test_grammar_edge_cases(http):
     t = time.monotonic()
     out = one({"regex": "((a|b){1,30}){1,30}(c|d){1,30}x", "max_new_tokens": 8})  # compiles in bounded time
     assert time.monotonic() - t < 30
+    # compiles that would run for minutes: each worker is killed at --grammar-compile-timeout (5 s here),
+    # and the grammars after them compile (once, two of these held both compile threads for good)
+    for symbol in "ab":
+        r = http.post("/generate", json={"text": "Go:", "sampling_params": {
+            "max_new_tokens": 4, "ebnf": "root ::= " + " ".join([f'"{symbol}"?'] * 5000)}})
+        assert r.status_code == 400 and "did not compile within" in r.json()["error"]["message"], r.text
+    out = one({"regex": "[0-9]{3}", "max_new_tokens": 8})
+    assert re.fullmatch("[0-9]{3}", out["text"]), out
     assert http.get("/health").status_code == 200
 
 

@@ -233,6 +233,55 @@ def test_llguidance_matcher_contract(backends, tokenizer):
     assert (int(bitmask[0, comma // 32]) >> (comma % 32)) & 1 and not (int(bitmask[0, bad // 32]) >> (bad % 32)) & 1
 
 
+RUNAWAY_EBNF = "root ::= " + " ".join(['"a"?'] * 5000)  # xgrammar compiles this for minutes
+
+
+def test_compile_worker_kills_a_runaway_compile_and_rebuilds_what_it_compiled(tokenizer):
+    """Scheduler compiles run in a worker process: each backend's grammar comes back as the one compiled
+    here (the same mask); a compile past its timeout, or one whose worker dies, fails that grammar alone
+    and the next compile works on a fresh worker."""
+    from plait.runtime.constrained import GrammarCache, GrammarError, JsonStyle, create_backend
+    from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
+
+    backend = create_backend("auto", tokenizer, 49152, [tokenizer.eos_token_id])
+    config = WorkerConfig("auto", tokenizer_files(tokenizer), 49152, [tokenizer.eos_token_id])
+    cache = GrammarCache(backend, 16, workers=1, new_compiler=lambda: IsolatedCompiler(backend, config, 4.0))
+    compiler = cache._compilers[0]
+    try:
+        # a grammar for each backend auto picks: xgrammar, llguidance (multipleOf), outlines (minProperties)
+        grammars = [("json_schema", json.dumps(PERSON)), ("regex", "[0-9]{2,4}"),
+                    ("json_schema", json.dumps({"type": "integer", "multipleOf": 3})),
+                    ("json_schema", json.dumps({"type": "object", "minProperties": 2,
+                                                "properties": {"a": {"type": "integer"}}}))]
+        backends_seen = set()
+        for kind, text in grammars:
+            remote = cache.get(kind, text).future.result(timeout=120)
+            local = backend.compile(kind, text)
+            assert remote.backend == local.backend
+            backends_seen.add(remote.backend)
+            masks = torch.zeros(2, (49152 + 31) // 32, dtype=torch.int32)
+            remote.matcher().fill_bitmask(masks, 0)
+            local.matcher().fill_bitmask(masks, 1)
+            assert torch.equal(masks[0], masks[1]) and masks[0].any(), (kind, text)
+        assert backends_seen == {"xgrammar", "llguidance", "outlines"}
+        t = time.monotonic()
+        with pytest.raises(GrammarError, match="did not compile within"):
+            cache.get("ebnf", RUNAWAY_EBNF).future.result(timeout=120)
+        assert time.monotonic() - t < 30 and compiler.worker.restarts == 1
+        # a worker that dies mid-compile (as a crashing compiler would)
+        entry = cache.get("ebnf", RUNAWAY_EBNF.replace('"a"', '"b"'))
+        while entry.started is None:
+            time.sleep(0.05)
+        compiler.worker._proc.kill()
+        with pytest.raises(GrammarError, match="crashed"):
+            entry.future.result(timeout=120)
+        assert cache.get("regex", "[a-c]+x").future.result(timeout=120).backend == "xgrammar"
+        assert compiler.worker.restarts == 2
+    finally:
+        cache.close()
+    assert compiler.worker._proc.poll() is not None  # closed: no worker left behind
+
+
 # ---- the real model --------------------------------------------------------------------------
 def _generate_corpus(engine, tokenizer, rows, max_new: int, temps=(0.0, 0.7)):
     """Every row at each temperature, all in flight at once. Returns (compiled ids, rejected

@@ -23,12 +23,24 @@ class AutoBackend(GrammarBackend):
         self.backends = backends
 
     def compile(self, kind: str, text: str, style: JsonStyle = JsonStyle()):
+        return self._first(kind, lambda backend: backend.compile(kind, text, style))
+
+    def build(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> tuple[str, bytes]:
+        return self._first(kind, lambda backend: backend.build(kind, text, style))
+
+    def load(self, backend: str, kind: str, text: str, style: JsonStyle, payload: bytes):
+        chosen = next(b for b in self.backends if b.name == backend)
+        return chosen.load(backend, kind, text, style, payload)
+
+    def _first(self, kind: str, attempt):
+        """attempt(backend) for the first backend that does not refuse; a GrammarError listing every
+        refusal when all do."""
         refusals = []
         for backend in self.backends:
             if kind not in _KINDS_OF[backend.name]:
                 continue
             try:
-                return backend.compile(kind, text, style)
+                return attempt(backend)
             except GrammarError as e:
                 refusals.append(f"{backend.name}: {e}")
         raise GrammarError(f"no grammar backend can enforce this {kind}: " + " | ".join(refusals))

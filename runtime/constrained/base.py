@@ -2,18 +2,21 @@
 
 A backend compiles a (kind, text) pair once; each request gets its own `Matcher` over the
 compiled grammar. Compiles run on a thread pool behind a bounded LRU of futures, so the
-scheduler never waits on one: it parks the request until its future is done.
+scheduler never waits on one: it parks the request until its future is done. In the scheduler each
+pool thread hands its compiles to a worker process (compile_worker.py), which a runaway compile
+cannot hold for good.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Protocol
 
 if TYPE_CHECKING:  # annotations only: server_args imports this module's choices without torch
     import torch
@@ -84,6 +87,16 @@ class GrammarBackend(ABC):
         """A compiled grammar (with `.matcher() -> Matcher` and `.backend`, the name of the backend
         that compiled it); `style` applies to json_schema. Raises GrammarError."""
 
+    def build(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> tuple[str, bytes]:
+        """Compile in a compile worker (compile_worker.py): the name of the backend that compiled it
+        and the payload `load` rebuilds it from. By default the payload is empty and `load` compiles
+        again: the worker has shown the compile ends in time."""
+        return self.compile(kind, text, style).backend, b""
+
+    def load(self, backend: str, kind: str, text: str, style: JsonStyle, payload: bytes):
+        """The compiled grammar `build` described, in this process."""
+        return self.compile(kind, text, style)
+
 
 def complete_utf8_prefix(data: bytes, end: int) -> str:
     """The text of data[:end], where `end` is where UTF-8 decoding failed (UnicodeDecodeError.start):
@@ -106,16 +119,52 @@ class Compile:
         return 0.0 if self.started is None else time.perf_counter() - self.started
 
 
-class GrammarCache:
-    """Compiled grammars by (kind, text, style): a bounded LRU of compiles run by a thread pool.
-    Failures are cached too, so a bad grammar sent again fails at once."""
+class Compiler(Protocol):
+    """What compiles for one GrammarCache pool thread."""
 
-    def __init__(self, backend: GrammarBackend, capacity: int, workers: int = 2):
+    def start(self) -> None: ...
+
+    def compile(self, kind: str, text: str, style: JsonStyle, started: Callable[[], None]): ...
+
+    def close(self) -> None: ...
+
+
+class InProcessCompiler:
+    """Compiles on the calling thread (tests, benchmarks; the scheduler uses compile_worker's)."""
+
+    def __init__(self, backend: GrammarBackend):
+        self.backend = backend
+
+    def start(self) -> None:
+        pass
+
+    def compile(self, kind: str, text: str, style: JsonStyle, started: Callable[[], None]):
+        started()
+        return self.backend.compile(kind, text, style)
+
+    def close(self) -> None:
+        pass
+
+
+class GrammarCache:
+    """Compiled grammars by (kind, text, style): a bounded LRU of compiles run by a thread pool, each
+    thread through a compiler of its own (`new_compiler()`: in this process by default, in a worker
+    process that a runaway compile cannot hold for good in the scheduler). Failures are cached too, so
+    a bad grammar sent again fails at once."""
+
+    def __init__(self, backend: GrammarBackend, capacity: int, workers: int = 2,
+                 new_compiler: Callable[[], Compiler] | None = None):
         self.backend = backend
         self.capacity = capacity
         self._entries: OrderedDict[tuple[str, str, JsonStyle], Compile] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
+        # one compiler per pool thread; the last used is taken first, so a second one (a worker
+        # process, in the scheduler) starts only when two compiles run at once
+        self._compilers = [(new_compiler or (lambda: InProcessCompiler(backend)))() for _ in range(workers)]
+        self._idle: queue.LifoQueue = queue.LifoQueue()
+        for c in reversed(self._compilers):
+            self._idle.put(c)
         self.hits = 0
         self.misses = 0
 
@@ -132,12 +181,27 @@ class GrammarCache:
             self.misses += 1
             entry = Compile()
 
-            def run():
+            def started() -> None:
                 entry.started = time.perf_counter()
-                return self.backend.compile(kind, text, key[2])
+
+            def run():
+                compiler = self._idle.get()  # as many compilers as pool threads: never waits
+                try:
+                    return compiler.compile(kind, text, key[2], started)
+                finally:
+                    self._idle.put(compiler)
 
             entry.future = self._pool.submit(run)
             self._entries[key] = entry
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
             return entry
+
+    def warm(self) -> None:
+        """Start the first compiler now (its worker loads while nothing waits on it)."""
+        self._compilers[0].start()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for c in self._compilers:
+            c.close()

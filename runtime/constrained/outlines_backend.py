@@ -119,6 +119,15 @@ class OutlinesBackend(GrammarBackend):
             raise GrammarError(f"invalid {kind}: {str(e).strip().splitlines()[0]}") from None
         return _Compiled(index, self._eos, self._decode)
 
+    def build(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> tuple[str, bytes]:
+        _, (data,) = self.compile(kind, text, style).index.__reduce__()  # (Index.from_binary, (bytes,))
+        return self.name, data
+
+    def load(self, backend: str, kind: str, text: str, style: JsonStyle, payload: bytes) -> _Compiled:
+        from outlines_core import Index
+
+        return _Compiled(Index.from_binary(payload), self._eos, self._decode)
+
 
 def token_bytes(tokenizer, vocab_size: int) -> dict[bytes, list[int]]:
     """Every ordinary token's raw bytes (byte-level BPE or SentencePiece), as outlines-core wants."""

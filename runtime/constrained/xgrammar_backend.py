@@ -67,9 +67,18 @@ class XGrammarBackend(GrammarBackend):
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
         import xgrammar as xgr
 
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_ids))
+        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                        stop_token_ids=sorted(eos_ids))
         # plait keeps its own LRU (GrammarCache), so xgrammar's cache would only double the memory
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
+
+    def build(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> tuple[str, bytes]:
+        return self.name, self.compile(kind, text, style).compiled.serialize_json().encode()
+
+    def load(self, backend: str, kind: str, text: str, style: JsonStyle, payload: bytes) -> _Compiled:
+        import xgrammar as xgr
+
+        return _Compiled(xgr.CompiledGrammar.deserialize_json(payload.decode(), self._info))
 
     def compile(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> _Compiled:
         try:

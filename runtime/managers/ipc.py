@@ -126,13 +126,14 @@ class Sender:
         self.sock.send(self._encoder.encode(msg), copy=False)
 
 
-def die_with_parent(root: str) -> None:
+def die_with_parent(root: str | None) -> None:
     """In a child process: end when the parent dies (Linux: SIGTERM by PR_SET_PDEATHSIG), so no child
-    outlives a server, and remove the socket directory `root` on the way out: a parent killed by
-    SIGKILL cannot remove it itself."""
+    outlives a server, and remove the socket directory `root` (if any) on the way out: a parent killed
+    by SIGKILL cannot remove it itself."""
 
     def on_term(signum, frame) -> None:
-        remove_dir(root)
+        if root:
+            remove_dir(root)
         os._exit(0)
 
     signal.signal(signal.SIGTERM, on_term)

@@ -100,13 +100,20 @@ class GenerateInput:
         self.return_logprob = _per_item(return_logprob, n, "return_logprob", bool)
         self.logprob_start_len = _per_item(logprob_start_len, n, "logprob_start_len", int)
         self.top_logprobs_num = _per_item(top_logprobs_num, n, "top_logprobs_num", int)
-        self.return_text_in_logprobs = bool(return_text_in_logprobs)
-        self.stream = bool(stream)
+        self.return_text_in_logprobs = _flag(return_text_in_logprobs, "return_text_in_logprobs")
+        self.stream = _flag(stream, "stream")
         rids = _per_item(rid, n, "rid", str) if rid is not None else [uuid.uuid4().hex for _ in range(n)]
         if len(set(rids)) != len(rids):
             raise ValueError("rid values must be unique")
         self.rids = rids
         self.kv_joins = check_kv_joins(kv_joins)
+
+
+def _flag(value, name: str) -> bool:
+    """A boolean field: true, false or absent (null); never a string or a number."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name} must be a boolean, got {value!r}")
+    return bool(value)
 
 
 def _per_item(value, n: int, name: str, kind: type) -> list:

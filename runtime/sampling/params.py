@@ -12,6 +12,8 @@ from plait.runtime.constrained.base import JSON_KEY_ORDER, JSON_WHITESPACE
 
 INT64_MAX = 2**63 - 1
 GREEDY_TEMPERATURE = 1e-5
+# a smaller penalty divides logits past float32 (1e-300 is 0 there): the sampler would see inf
+MIN_REPETITION_PENALTY = 1e-6
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -86,8 +88,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             bad("top_k", "must be -1 (off) or >= 1 (values above the vocabulary size mean all of it)")
         if not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if not 0 < self.repetition_penalty <= 2:
-            bad("repetition_penalty", "must be in (0, 2]")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2:
+            bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY:g}, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             bad("frequency_penalty", "must be in [-2, 2]")
         if not -2 <= self.presence_penalty <= 2:

@@ -1,7 +1,7 @@
 """GrammarManager: the scheduler's constrained-decoding side.
 
-- parks constrained requests until their grammar compiles (thread pool, LRU cache), failing
-  bad grammars and slow compiles with a 400;
+- parks constrained requests until their grammar compiles (worker processes behind an LRU cache),
+  failing bad grammars and slow compiles with a 400 (a compile past the timeout has its worker killed);
 - samples plain (greedy or temperature) requests without their mask first and fills it only
   where the grammar rejects the pick (exact; most picks pass, so most fills are skipped);
 - fills the other requests' token bitmasks on a worker thread while the forward runs;
@@ -19,6 +19,7 @@ import torch
 
 from plait.runtime.constrained import GrammarCache, GrammarError, JsonStyle, create_backend
 from plait.runtime.constrained.bitmask import allocate_bitmask, apply_token_bitmask_
+from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
 from plait.runtime.constrained.jump_forward import accepted_prefix, plan_draft
 from plait.runtime.managers.io_struct import FinishReason
 from plait.runtime.sampling import SampleRow, sample
@@ -35,7 +36,12 @@ class GrammarManager:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         backend = create_backend(args.grammar_backend, tokenizer, vocab_size, eos_ids)
-        self.cache = GrammarCache(backend, args.grammar_cache_size) if backend else None
+        self.cache = None
+        if backend is not None:
+            # compiles run in worker processes: one that outlives --grammar-compile-timeout is killed
+            config = WorkerConfig(args.grammar_backend, tokenizer_files(tokenizer), vocab_size, eos_ids)
+            self.cache = GrammarCache(backend, args.grammar_cache_size, new_compiler=lambda: IsolatedCompiler(
+                backend, config, args.grammar_compile_timeout))
         # masks are filled while the forward runs: xgrammar releases the GIL, and a CPU forward leaves
         # a core idle in its single-threaded stretches (measured here: +5-10% per token overlapped at
         # batch 32, +16% filled after the forward)
@@ -48,6 +54,15 @@ class GrammarManager:
         self._faults: list[tuple[Req, Exception]] = []  # mask fills that raised, for the scheduler to fail
 
     # ---- compile ---------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Start a compile worker now, so the first constrained request does not wait for it."""
+        if self.cache is not None:
+            self.cache.warm()
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+
     def submit(self, req: Req, kind: str, text: str) -> None:
         if self.cache is None:
             raise ValueError(f"sampling_params.{kind} needs a grammar backend (the server runs with --grammar-backend none)")

@@ -52,13 +52,17 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready) -> None:
         out = Sender(ctx, addrs.detokenizer)
         runner = ModelRunner(args)
         scheduler = Scheduler(args, runner, lambda outs: out.send(BatchTokenOut(outs)))
+        scheduler.grammars.warm_up()
         ready.send({"ok": True, "limits": msgspec.to_builtins(scheduler.limits)})
     except BaseException:  # tell the launcher why, then die
         ready.send({"ok": False, "error": traceback.format_exc()})
         raise
     finally:
         ready.close()
-    _Loop(scheduler, inbox, out, ppid).run()
+    try:
+        _Loop(scheduler, inbox, out, ppid).run()
+    finally:
+        scheduler.close()
 
 
 class _Loop:

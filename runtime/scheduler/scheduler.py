@@ -90,6 +90,10 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running and not self.grammars.compiling
 
+    def close(self) -> None:
+        """Stop the grammar compile workers (the process's end stops them too)."""
+        self.grammars.close()
+
     # ---- the loop body --------------------------------------------------------------
     def step(self) -> bool:
         """Run one forward if there is work. Returns False when idle."""

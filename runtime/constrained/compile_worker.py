@@ -1,0 +1,233 @@
+"""Grammar compiles in a child process, so one that runs away can be stopped.
+
+A compile cannot be interrupted inside xgrammar, llguidance or outlines-core, and some grammars
+take minutes (5,000 optional symbols in an EBNF rule) or crash the compiler (a stack overflow in
+C++). Run on a thread, such a compile held a core and a pool thread for good, and the compiles
+queued behind it never started: two hostile requests stopped structured output for everyone.
+
+So the scheduler's compiles run in `python -m plait.runtime.constrained.compile_worker`: a fresh
+interpreter that builds the same backend from the model's tokenizer (sent as its files on stdin),
+compiles one grammar at a time and sends back what the backend needs to rebuild it cheaply in
+the scheduler (`GrammarBackend.build` / `load`). A compile that outlives its timeout gets its
+worker killed and replaced; a worker that dies fails only the grammar it was compiling.
+
+Wire: frames of a 4-byte big-endian length and a msgpack body (msgspec), both ways; no pickle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import msgspec
+
+from plait.runtime.constrained.base import GrammarBackend, GrammarError, JsonStyle
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT = 300.0  # loading the tokenizer and building the backend (seconds, a slow machine)
+_HEADER = struct.Struct(">I")
+
+
+class WorkerConfig(msgspec.Struct, frozen=True):
+    backend: str
+    tokenizer_files: dict[str, bytes]  # the tokenizer's save_pretrained() output, by file name
+    vocab_size: int
+    eos_ids: list[int]
+
+
+class CompileJob(msgspec.Struct, frozen=True):
+    kind: str
+    text: str
+    whitespace: str
+    key_order: str
+
+
+class CompileReply(msgspec.Struct, frozen=True):
+    backend: str = ""  # the backend that compiled it (auto picks one)
+    payload: bytes = b""  # what that backend's load() rebuilds the grammar from
+    error: str = ""  # a GrammarError's message: the grammar is refused
+    ready: bool = False  # the first frame a worker sends, once its backend is built
+
+
+def tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """The tokenizer as files, for a worker to load with AutoTokenizer."""
+    with tempfile.TemporaryDirectory(prefix="plait-tokenizer-") as d:
+        tokenizer.save_pretrained(d)
+        return {name: open(os.path.join(d, name), "rb").read() for name in os.listdir(d)
+                if os.path.isfile(os.path.join(d, name))}
+
+
+# ---- the parent's side ----------------------------------------------------------------------
+class CompileWorker:
+    """One worker process, used by one thread at a time. `compile` sends a job and waits for its
+    reply up to `timeout` seconds after the worker starts on it; past that, or if the worker dies,
+    the worker is replaced and the grammar refused (GrammarError: a 400 for its request)."""
+
+    def __init__(self, config: WorkerConfig):
+        self._config = msgspec.msgpack.encode(config)
+        self._proc: subprocess.Popen | None = None
+        self._ready = False
+        self._buf = b""
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        self._proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.constrained.compile_worker"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._ready, self._buf = False, b""
+        self._proc.stdin.write(_HEADER.pack(len(self._config)) + self._config)
+        self._proc.stdin.flush()
+
+    def compile(self, job: CompileJob, timeout: float, started: Callable[[], None]) -> CompileReply:
+        """The worker's reply to `job` (`error` set when a backend refused it); `started` is called
+        when the worker starts on it. Raises GrammarError on a timeout or a dead worker."""
+        if self._proc.poll() is not None:
+            self._replace()
+        if not self._ready:
+            reply = self._read(time.monotonic() + _START_TIMEOUT)
+            if reply is None or not reply.ready:
+                code = self._replace()
+                raise GrammarError(f"the grammar compiler failed to start (exit code {code})")
+            self._ready = True
+        body = msgspec.msgpack.encode(job)
+        try:
+            self._proc.stdin.write(_HEADER.pack(len(body)) + body)
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            code = self._replace()
+            raise GrammarError(f"the grammar compiler exited (code {code}) before compiling this {job.kind}") from None
+        started()
+        reply = self._read(time.monotonic() + timeout)
+        if reply is None:
+            timed_out = self._proc.poll() is None
+            code = self._replace()
+            if timed_out:
+                raise GrammarError(f"the {job.kind} did not compile within --grammar-compile-timeout ({timeout:g} s)")
+            raise GrammarError(f"the grammar compiler crashed on this {job.kind} (exit code {code})")
+        return reply
+
+    def _read(self, deadline: float) -> CompileReply | None:
+        """The next frame, or None at the deadline or at EOF (the worker died)."""
+        fd = self._proc.stdout.fileno()
+        while True:
+            if len(self._buf) >= _HEADER.size:
+                (n,) = _HEADER.unpack_from(self._buf)
+                if len(self._buf) >= _HEADER.size + n:
+                    body, self._buf = self._buf[_HEADER.size:_HEADER.size + n], self._buf[_HEADER.size + n:]
+                    return msgspec.msgpack.decode(body, type=CompileReply)
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return None
+            self._buf += chunk
+
+    def _replace(self) -> int | None:
+        """Kill the worker (if alive) and start another; the old one's exit code."""
+        code = self.close()
+        self.restarts += 1
+        logger.warning("grammar compiler replaced (exit code %s)", code)
+        self._start()
+        return code
+
+    def close(self) -> int | None:
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.kill()
+        code = proc.wait()
+        for f in (proc.stdin, proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        return code
+
+
+class IsolatedCompiler:
+    """GrammarCache's compiler in the scheduler: compiles in a CompileWorker, loads the result here."""
+
+    def __init__(self, backend: GrammarBackend, config: WorkerConfig, timeout: float):
+        self.backend, self.config, self.timeout = backend, config, timeout
+        self.worker: CompileWorker | None = None  # started on first use or by start()
+
+    def start(self) -> None:
+        if self.worker is None:
+            self.worker = CompileWorker(self.config)
+
+    def compile(self, kind: str, text: str, style: JsonStyle, started: Callable[[], None]):
+        self.start()
+        reply = self.worker.compile(CompileJob(kind, text, style.whitespace, style.key_order), self.timeout, started)
+        if reply.error:
+            raise GrammarError(reply.error)
+        return self.backend.load(reply.backend, kind, text, style, reply.payload)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
+# ---- the worker's side ----------------------------------------------------------------------
+def _read_frame(stream) -> bytes | None:
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None  # the scheduler closed the pipe (or died): end
+    (n,) = _HEADER.unpack(header)
+    return stream.read(n)
+
+
+def _write_frame(stream, msg: CompileReply) -> None:
+    body = msgspec.msgpack.encode(msg)
+    stream.write(_HEADER.pack(len(body)) + body)
+    stream.flush()
+
+
+def _build_backend(config: WorkerConfig) -> GrammarBackend:
+    from transformers import AutoTokenizer
+
+    from plait.runtime.constrained import create_backend
+
+    with tempfile.TemporaryDirectory(prefix="plait-tokenizer-") as d:
+        for name, data in config.tokenizer_files.items():
+            with open(os.path.join(d, os.path.basename(name)), "wb") as f:
+                f.write(data)
+        tokenizer = AutoTokenizer.from_pretrained(d)
+    return create_backend(config.backend, tokenizer, config.vocab_size, config.eos_ids)
+
+
+def main() -> None:
+    from plait.runtime.managers.ipc import die_with_parent
+
+    die_with_parent(None)  # a worker outlives no scheduler, even one killed mid-compile
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # library chatter must not corrupt the frames
+    frame = _read_frame(stdin)
+    if frame is None:
+        return
+    backend = _build_backend(msgspec.msgpack.decode(frame, type=WorkerConfig))
+    _write_frame(stdout, CompileReply(ready=True))
+    while (frame := _read_frame(stdin)) is not None:
+        job = msgspec.msgpack.decode(frame, type=CompileJob)
+        try:
+            name, payload = backend.build(job.kind, job.text, JsonStyle(job.whitespace, job.key_order))
+            reply = CompileReply(backend=name, payload=payload)
+        except GrammarError as e:
+            reply = CompileReply(error=str(e))
+        except Exception as e:  # noqa: BLE001 - a compiler bug fails this grammar alone, as in-process
+            reply = CompileReply(error=f"grammar compile failed: {e!r}")
+        _write_frame(stdout, reply)
+
+
+if __name__ == "__main__":
+    main()
