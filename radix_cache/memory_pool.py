@@ -106,15 +106,14 @@ class KVPool:
         dtype: torch.dtype,
         device: str = "cpu",
         v_head_dim: int | None = None,
-        padding_slots: int = 1,
     ):
         v_dim = v_head_dim or head_dim
-        # empty, not zeros: untouched parts of a large pool then cost neither time nor resident memory.
-        # Only the padding page is read before being written (masked out, but NaN * 0 is NaN): zero it.
-        self.k = [torch.empty((num_kv_heads, num_slots, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty((num_kv_heads, num_slots, v_dim), dtype=dtype, device=device) for _ in range(num_layers)]
-        for buf in self.k + self.v:
-            buf[:, :padding_slots].zero_()
+        # zeros, not empty: the whole pool is resident from the start. With empty pages, a pool larger than
+        # the memory left started fine and died later, and resident memory rose under steady load for a
+        # quarter of an hour as the radix cache first touched each page (a soak could not tell that from a
+        # leak). The padding page is read before being written (masked out, but NaN * 0 is NaN): zeros too.
+        self.k = [torch.zeros((num_kv_heads, num_slots, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros((num_kv_heads, num_slots, v_dim), dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots = num_slots
 
     @staticmethod

@@ -64,7 +64,9 @@ class ServerArgs:
         "schema", "JSON-schema key order, unless a request sets json_key_order: schema (the schema's order) or "
         "any (any order, where the backend allows it: xgrammar)", list(JSON_KEY_ORDER))
     grammar_cache_size: int = _arg(256, "compiled grammars kept (LRU)")
-    grammar_compile_timeout: float = _arg(30.0, "seconds a grammar may take to compile before its request fails")
+    grammar_compile_timeout: float = _arg(
+        30.0, "seconds of compiling a grammar may take before its request fails (a 400; its compile worker is "
+        "killed); with auto, each backend but the last gets at most half of what is left")
     disable_jump_forward: bool = _arg(False, "sample every token even where the grammar allows only one continuation")
     jump_forward_token_budget: int = _arg(
         12, "jump-forward drafts may grow a decode forward up to this many tokens (beyond about 10 rows a "

@@ -233,19 +233,16 @@ def test_llguidance_matcher_contract(backends, tokenizer):
     assert (int(bitmask[0, comma // 32]) >> (comma % 32)) & 1 and not (int(bitmask[0, bad // 32]) >> (bad % 32)) & 1
 
 
-RUNAWAY_EBNF = "root ::= " + " ".join(['"a"?'] * 5000)  # xgrammar compiles this for minutes
-
-
 def test_compile_worker_kills_a_runaway_compile_and_rebuilds_what_it_compiled(tokenizer):
     """Scheduler compiles run in a worker process: each backend's grammar comes back as the one compiled
-    here (the same mask); a compile past its timeout, or one whose worker dies, fails that grammar alone
-    and the next compile works on a fresh worker."""
-    from plait.runtime.constrained import GrammarCache, GrammarError, JsonStyle, create_backend
+    here (the same mask). Under auto, a backend whose compile outlives its share of the timeout (its
+    worker is killed) or whose worker dies is one more refusal: the next backend compiles it."""
+    from plait.runtime.constrained import GrammarCache, create_backend
     from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
 
     backend = create_backend("auto", tokenizer, 49152, [tokenizer.eos_token_id])
     config = WorkerConfig("auto", tokenizer_files(tokenizer), 49152, [tokenizer.eos_token_id])
-    cache = GrammarCache(backend, 16, workers=1, new_compiler=lambda: IsolatedCompiler(backend, config, 4.0))
+    cache = GrammarCache(backend, 16, workers=1, new_compiler=lambda: IsolatedCompiler(backend, config, 8.0))
     compiler = cache._compilers[0]
     try:
         # a grammar for each backend auto picks: xgrammar, llguidance (multipleOf), outlines (minProperties)
@@ -264,19 +261,20 @@ def test_compile_worker_kills_a_runaway_compile_and_rebuilds_what_it_compiled(to
             local.matcher().fill_bitmask(masks, 1)
             assert torch.equal(masks[0], masks[1]) and masks[0].any(), (kind, text)
         assert backends_seen == {"xgrammar", "llguidance", "outlines"}
+        # xgrammar compiles this for about 15 s (llguidance in a fraction of one): killed at half of 8 s
         t = time.monotonic()
-        with pytest.raises(GrammarError, match="did not compile within"):
-            cache.get("ebnf", RUNAWAY_EBNF).future.result(timeout=120)
-        assert time.monotonic() - t < 30 and compiler.worker.restarts == 1
-        # a worker that dies mid-compile (as a crashing compiler would)
-        entry = cache.get("ebnf", RUNAWAY_EBNF.replace('"a"', '"b"'))
+        slow = "root ::= " + " ".join(['"a"?'] * 200)
+        assert cache.get("ebnf", slow).future.result(timeout=120).backend == "llguidance"
+        assert compiler.worker.restarts == 1 and time.monotonic() - t < 60
+        # a worker that dies mid-compile (as a crashing compiler would): the same fall-through
+        entry = cache.get("ebnf", slow.replace('"a"', '"b"'))
         while entry.started is None:
             time.sleep(0.05)
+        time.sleep(0.5)
         compiler.worker._proc.kill()
-        with pytest.raises(GrammarError, match="crashed"):
-            entry.future.result(timeout=120)
-        assert cache.get("regex", "[a-c]+x").future.result(timeout=120).backend == "xgrammar"
+        assert entry.future.result(timeout=120).backend == "llguidance"
         assert compiler.worker.restarts == 2
+        assert cache.get("regex", "[a-c]+x").future.result(timeout=120).backend == "xgrammar"
     finally:
         cache.close()
     assert compiler.worker._proc.poll() is not None  # closed: no worker left behind

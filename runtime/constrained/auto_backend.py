@@ -23,22 +23,27 @@ class AutoBackend(GrammarBackend):
         self.backends = backends
 
     def compile(self, kind: str, text: str, style: JsonStyle = JsonStyle()):
-        return self._first(kind, lambda backend: backend.compile(kind, text, style))
+        return self.first(kind, lambda backend: backend.compile(kind, text, style))
 
     def build(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> tuple[str, bytes]:
-        return self._first(kind, lambda backend: backend.build(kind, text, style))
+        return self.first(kind, lambda backend: backend.build(kind, text, style))
 
     def load(self, backend: str, kind: str, text: str, style: JsonStyle, payload: bytes):
-        chosen = next(b for b in self.backends if b.name == backend)
-        return chosen.load(backend, kind, text, style, payload)
+        return self.named(backend).load(backend, kind, text, style, payload)
 
-    def _first(self, kind: str, attempt):
-        """attempt(backend) for the first backend that does not refuse; a GrammarError listing every
-        refusal when all do."""
+    def named(self, name: str) -> GrammarBackend:
+        return next(b for b in self.backends if b.name == name)
+
+    def candidates(self, kind: str) -> list[GrammarBackend]:
+        """The backends that compile `kind`, in the order they are tried."""
+        return [b for b in self.backends if kind in _KINDS_OF[b.name]]
+
+    def first(self, kind: str, attempt):
+        """attempt(backend) for the first candidate that does not refuse; a GrammarError listing every
+        refusal when all do. (The scheduler's compile workers call this with an attempt per backend, so
+        a backend whose compile runs out of its time is one more refusal: compile_worker.py.)"""
         refusals = []
-        for backend in self.backends:
-            if kind not in _KINDS_OF[backend.name]:
-                continue
+        for backend in self.candidates(kind):
             try:
                 return attempt(backend)
             except GrammarError as e:

@@ -115,9 +115,6 @@ class Compile:
         self.future: Future | None = None
         self.started: float | None = None
 
-    def elapsed(self) -> float:
-        return 0.0 if self.started is None else time.perf_counter() - self.started
-
 
 class Compiler(Protocol):
     """What compiles for one GrammarCache pool thread."""
@@ -182,7 +179,8 @@ class GrammarCache:
             entry = Compile()
 
             def started() -> None:
-                entry.started = time.perf_counter()
+                if entry.started is None:
+                    entry.started = time.perf_counter()
 
             def run():
                 compiler = self._idle.get()  # as many compilers as pool threads: never waits

@@ -48,6 +48,7 @@ class CompileJob(msgspec.Struct, frozen=True):
     text: str
     whitespace: str
     key_order: str
+    only: str = ""  # under auto: compile with this one backend ("": the worker's backend as configured)
 
 
 class CompileReply(msgspec.Struct, frozen=True):
@@ -87,9 +88,9 @@ class CompileWorker:
         self._proc.stdin.write(_HEADER.pack(len(self._config)) + self._config)
         self._proc.stdin.flush()
 
-    def compile(self, job: CompileJob, timeout: float, started: Callable[[], None]) -> CompileReply:
-        """The worker's reply to `job` (`error` set when a backend refused it); `started` is called
-        when the worker starts on it. Raises GrammarError on a timeout or a dead worker."""
+    def wait_ready(self) -> None:
+        """Wait for the worker's backend to be built (replacing a dead worker first); GrammarError
+        if it cannot start."""
         if self._proc.poll() is not None:
             self._replace()
         if not self._ready:
@@ -98,6 +99,11 @@ class CompileWorker:
                 code = self._replace()
                 raise GrammarError(f"the grammar compiler failed to start (exit code {code})")
             self._ready = True
+
+    def compile(self, job: CompileJob, timeout: float, started: Callable[[], None]) -> CompileReply:
+        """The worker's reply to `job` (`error` set when a backend refused it), at most `timeout`
+        seconds after it was sent (`started` is called then; wait_ready() first). Raises GrammarError
+        on a timeout or a dead worker, and replaces the worker."""
         body = msgspec.msgpack.encode(job)
         try:
             self._proc.stdin.write(_HEADER.pack(len(body)) + body)
@@ -111,7 +117,7 @@ class CompileWorker:
             timed_out = self._proc.poll() is None
             code = self._replace()
             if timed_out:
-                raise GrammarError(f"the {job.kind} did not compile within --grammar-compile-timeout ({timeout:g} s)")
+                raise GrammarError(f"the {job.kind} did not compile within {timeout:.3g} s (see --grammar-compile-timeout)")
             raise GrammarError(f"the grammar compiler crashed on this {job.kind} (exit code {code})")
         return reply
 
@@ -156,7 +162,11 @@ class CompileWorker:
 
 
 class IsolatedCompiler:
-    """GrammarCache's compiler in the scheduler: compiles in a CompileWorker, loads the result here."""
+    """GrammarCache's compiler in the scheduler: compiles in a CompileWorker, loads the result here.
+
+    Under `auto` it tries the backends one job at a time, and each but the last gets at most half of
+    the time left: a schema that xgrammar would compile for minutes falls through to llguidance
+    (milliseconds) instead of failing at the timeout."""
 
     def __init__(self, backend: GrammarBackend, config: WorkerConfig, timeout: float):
         self.backend, self.config, self.timeout = backend, config, timeout
@@ -167,10 +177,32 @@ class IsolatedCompiler:
             self.worker = CompileWorker(self.config)
 
     def compile(self, kind: str, text: str, style: JsonStyle, started: Callable[[], None]):
+        from plait.runtime.constrained.auto_backend import AutoBackend
+
         self.start()
-        reply = self.worker.compile(CompileJob(kind, text, style.whitespace, style.key_order), self.timeout, started)
-        if reply.error:
-            raise GrammarError(reply.error)
+        job = CompileJob(kind, text, style.whitespace, style.key_order)
+        spent = [0.0]  # compile time so far (a worker's start-up after a kill is not compile time)
+
+        def remote(job: CompileJob, share: float) -> CompileReply:
+            self.worker.wait_ready()
+            budget = (self.timeout - spent[0]) * share
+            if budget <= 0:
+                raise GrammarError(f"no time was left to compile this {kind}")
+            t = time.monotonic()
+            try:
+                reply = self.worker.compile(job, budget, started)
+            finally:
+                spent[0] += time.monotonic() - t
+            if reply.error:
+                raise GrammarError(reply.error)
+            return reply
+
+        if isinstance(self.backend, AutoBackend):
+            last = self.backend.candidates(kind)[-1].name
+            reply = self.backend.first(kind, lambda backend: remote(
+                msgspec.structs.replace(job, only=backend.name), 1.0 if backend.name == last else 0.5))
+        else:
+            reply = remote(job, 1.0)
         return self.backend.load(reply.backend, kind, text, style, reply.payload)
 
     def close(self) -> None:
@@ -210,8 +242,10 @@ def main() -> None:
     from plait.runtime.managers.ipc import die_with_parent
 
     die_with_parent(None)  # a worker outlives no scheduler, even one killed mid-compile
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # library chatter must not corrupt the frames
+    # the frames get a private copy of fd 1; fd 1 itself goes to stderr, so nothing a library prints
+    # (from Python or C++) can corrupt them
+    stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
     frame = _read_frame(stdin)
     if frame is None:
         return
@@ -220,7 +254,8 @@ def main() -> None:
     while (frame := _read_frame(stdin)) is not None:
         job = msgspec.msgpack.decode(frame, type=CompileJob)
         try:
-            name, payload = backend.build(job.kind, job.text, JsonStyle(job.whitespace, job.key_order))
+            chosen = backend.named(job.only) if job.only else backend
+            name, payload = chosen.build(job.kind, job.text, JsonStyle(job.whitespace, job.key_order))
             reply = CompileReply(backend=name, payload=payload)
         except GrammarError as e:
             reply = CompileReply(error=str(e))

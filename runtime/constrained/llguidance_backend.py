@@ -35,8 +35,8 @@ class LLGuidanceMatcher(Matcher):
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         target = bitmask[row]
         self._m.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
-        if self._m.is_error():
-            raise RuntimeError(f"llguidance: {self._m.get_error()}")
+        if self._m.is_error():  # a limit of llguidance's (items, lexer fuel) that this grammar ran into
+            raise GrammarError(f"llguidance: {_first_line(self._m.get_error())}")
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and self._eos_taken:
@@ -104,6 +104,11 @@ class LLGuidanceBackend(GrammarBackend):
         matcher = llguidance.LLMatcher(self._tok, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {kind}: {_first_line(matcher.get_error())}")
+        # the first mask, on a copy: a grammar past llguidance's limits fails here (a 400), not mid-request
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise GrammarError(f"{kind} exceeds llguidance's limits: {_first_line(probe.get_error())}")
         return _Compiled(matcher, self._eos)
 
 

@@ -57,10 +57,15 @@ class RuntimeProcesses:
 
 def _child_env(name: str) -> dict[str, str]:
     """The scheduler's forward gets the cores: the detokenizer is held to one thread of each pool
-    (OpenMP, the tokenizers' rayon) so it never wakes a second one beside the forward's."""
+    (OpenMP, the tokenizers' rayon) so it never wakes a second one beside the forward's. The
+    scheduler's oneDNN primitive cache is bounded (a user's own setting wins)."""
     env = dict(os.environ)
     if name == "detokenizer":
         env.update(OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if name == "scheduler":
+        # oneDNN caches a matmul primitive per shape (1,024 by default, ~0.7 MB each); prefill chunks have
+        # ever new row counts, so the cache only filled memory: 256 keep every recent shape (a miss costs ~2 ms)
+        env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
     return env
 
 

@@ -55,8 +55,7 @@ class ModelRunner:
         cfg = self.config
         num_slots = args.max_total_tokens or self._auto_kv_tokens()
         num_slots = max(num_slots, 2 * args.page_size)
-        self.kv_pool = KVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype,
-                              padding_slots=args.page_size)
+        self.kv_pool = KVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         self.allocator = KVAllocator(num_slots, args.page_size)
         # a few spare rows: retracted and chunked requests hold rows beside the running ones
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_length + 1)

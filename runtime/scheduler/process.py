@@ -8,6 +8,7 @@ than one step.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -35,6 +36,10 @@ from plait.runtime.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 _STATS_INTERVAL = 1.0
+# glibc keeps freed heap pages: batches of ever new shapes (each prefill chunk's row count) fragment the
+# heap, and the scheduler's resident memory crept up for ten minutes of steady load (1.1 -> 2.1 GB) before
+# it levelled off. Handing free pages back now and then costs a few ms a minute.
+_TRIM_INTERVAL = 30.0
 
 
 def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready) -> None:
@@ -65,6 +70,14 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready) -> None:
         scheduler.close()
 
 
+def _malloc_trim():
+    """glibc's malloc_trim, or None (another libc)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 class _Loop:
     def __init__(self, scheduler, inbox: Receiver, out: Sender, ppid: int):
         self.scheduler = scheduler
@@ -72,7 +85,9 @@ class _Loop:
         self.out = out
         self.ppid = ppid
         self._last_stats = time.perf_counter()
+        self._last_trim = time.perf_counter()
         self._tokens_since = 0
+        self._trim = _malloc_trim()
 
     def run(self) -> None:
         while True:
@@ -87,6 +102,9 @@ class _Loop:
             self.scheduler.step()
             self._tokens_since += self.scheduler.tokens_generated - before
             self._send_stats(force=self.scheduler.idle)  # once more when it goes idle
+            if self._trim is not None and time.perf_counter() - self._last_trim > _TRIM_INTERVAL:
+                self._trim(0)
+                self._last_trim = time.perf_counter()
 
     def _recv(self):
         """The next message, or None. A frame that does not decode fails its request (if it names

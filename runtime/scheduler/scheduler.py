@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 import torch
 
 from plait.radix_cache.radix_cache import common_prefix_len
+from plait.runtime.constrained import GrammarError
 from plait.runtime.managers.io_struct import (AbortReq, DecodeSpec, FinishReason, JoinKVReq, TokenizedGenerateReq,
                                              TokenOut)
 from plait.runtime.managers.limits import RuntimeLimits, validate_request
@@ -278,11 +279,15 @@ class Scheduler:
             self._fail_request(req, what, e)
 
     def _fail_request(self, req: Req, what: str, e: BaseException) -> None:
-        logger.error("request %s failed while %s", req.rid, what, exc_info=e)
         self.grammars.drop_draft(req)
         req.cached_len = min(req.cached_len, req.seq_len)
-        req.finish = FinishReason("abort", status=500,
-                                  message=f"internal error while {what}: {type(e).__name__}: {e}")
+        if isinstance(e, GrammarError):  # the client's grammar ran into a backend's limit: a 400
+            logger.warning("request %s failed while %s: %s", req.rid, what, e)
+            req.finish = FinishReason("abort", status=400, message=f"the grammar failed while {what}: {e}")
+        else:
+            logger.error("request %s failed while %s", req.rid, what, exc_info=e)
+            req.finish = FinishReason("abort", status=500,
+                                      message=f"internal error while {what}: {type(e).__name__}: {e}")
         self.num_failed += 1
 
     def _record_input_logprobs(self, req: Req, item: WorkItem, rows: torch.Tensor) -> None:
