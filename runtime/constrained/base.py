@@ -151,7 +151,6 @@ class GrammarCache:
 
     def __init__(self, backend: GrammarBackend, capacity: int, workers: int = 2,
                  new_compiler: Callable[[], Compiler] | None = None):
-        self.backend = backend
         self.capacity = capacity
         self._entries: OrderedDict[tuple[str, str, JsonStyle], Compile] = OrderedDict()
         self._lock = threading.Lock()
