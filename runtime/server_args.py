@@ -68,6 +68,9 @@ class ServerArgs:
         30.0, "seconds of compiling a grammar may take before its request fails (a 400; its compile worker is "
         "killed); with auto, each backend but the last gets at most half of what is left")
     disable_jump_forward: bool = _arg(False, "sample every token even where the grammar allows only one continuation")
+    disable_grammar_closing: bool = _arg(
+        False, "let a constrained output run into max_new_tokens unfinished, instead of closing its grammar (the "
+        "shortest completion found, then the end) when the tokens left only just hold that")
     jump_forward_token_budget: int = _arg(
         12, "jump-forward drafts may grow a decode forward up to this many tokens (beyond about 10 rows a "
             "float32 forward on 2 CPU cores is compute-bound and drafts stop paying; raise it on GPUs)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import time
 
@@ -233,6 +234,70 @@ def test_llguidance_matcher_contract(backends, tokenizer):
     assert (int(bitmask[0, comma // 32]) >> (comma % 32)) & 1 and not (int(bitmask[0, bad // 32]) >> (bad % 32)) & 1
 
 
+SHOP = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 40}, "visits": {"type": "integer"},
+    "opened": {"type": "string", "format": "date"}, "kind": {"enum": ["bakery", "florist"]},
+    "products": {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 1, "maxItems": 4},
+    "owner": {"type": "object", "properties": {"name": {"type": "string", "minLength": 2}, "vegan": {"type": "boolean"}},
+              "required": ["name", "vegan"], "additionalProperties": False}},
+    "required": ["name", "visits", "opened", "kind", "products", "owner"], "additionalProperties": False}
+
+
+def test_closing_plans_complete_any_prefix_for_every_backend(backends, tokenizer):
+    """From every token boundary of a valid document, the closing search finds a completion that
+    validates (formats too) and leaves the matcher as it was; a ClosingMatcher over it, driven by a
+    writer that picks at random, ends the document within the budget, valid."""
+    from plait.runtime.constrained.bitmask import allocate_bitmask, unpack_bitmask
+    from plait.runtime.constrained.closing import ClosingMatcher, CloseVocab, plan_close
+
+    eos = tokenizer.eos_token_id
+    vocab = CloseVocab.from_tokenizer(tokenizer, 49152, [eos])
+    doc = {"name": "Bakery-Bakery-Bakery-Bakery", "visits": 12, "opened": "2020-02-29", "kind": "bakery",
+           "products": ["rye bread", "scones"], "owner": {"name": "Ann", "vegan": True}}
+    check = jsonschema.Draft202012Validator(SHOP, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    for name, backend in backends.items():
+        # outlines-core's compact layout has no spaces at all
+        text = json.dumps(doc, separators=(",", ":") if name == "outlines" else (", ", ": "))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        g = backend.compile("json_schema", json.dumps(SHOP))
+        for k in range(len(ids)):
+            m = g.matcher()
+            assert all(m.accept_token(i) for i in ids[:k])
+            before, after = allocate_bitmask(1, 49152), allocate_bitmask(1, 49152)
+            m.fill_bitmask(before, 0)
+            prefix = tokenizer.decode(ids[:k])
+            # outlines-core forces only chains of single tokens, so its plans spell more out character by character
+            plan = plan_close(m, vocab, prefix, 128 if name == "outlines" else 64)
+            assert plan is not None, (name, prefix)
+            m.fill_bitmask(after, 0)
+            assert torch.equal(before, after), (name, prefix)
+            closed = prefix + tokenizer.decode(plan)
+            assert not list(check.iter_errors(json.loads(closed))), (name, closed)
+            if k % 8:
+                continue
+            # the model (random allowed tokens here) writes on while a completion still fits after its
+            # token; a refused token is replaced by the plan's next, the only one the mask then allows
+            budget = len(plan) + 2
+            closing, rng, out = ClosingMatcher(m, plan, vocab, prefix, budget), random.Random(k), []
+            while not closing.is_terminated():
+                assert len(out) < budget, (name, closed)
+                m.fill_bitmask(before, 0)
+                allowed = unpack_bitmask(before, 49152)[0].nonzero().flatten().tolist()
+                tok = rng.choice(allowed)
+                if not closing.accept_token(tok):
+                    closing.fill_bitmask(after, 0)
+                    bits = unpack_bitmask(after, 49152)[0].nonzero().flatten().tolist()
+                    assert len(bits) == 1 and closing.accept_token(bits[0]), (name, closed, bits)
+                    tok = bits[0]
+                out.append(tok)
+                if tok == eos:
+                    break
+            text = prefix + tokenizer.decode([t for t in out if t != eos])
+            assert not list(check.iter_errors(json.loads(text))), (name, text)
+            closing.rollback(len(out))  # back to where the closing began
+            assert closing.forced_tokens() == plan
+
+
 def test_compile_worker_kills_a_runaway_compile_and_rebuilds_what_it_compiled(tokenizer):
     """Scheduler compiles run in a worker process: each backend's grammar comes back as the one compiled
     here (the same mask). Under auto, a backend whose compile outlives its share of the timeout (its
@@ -306,10 +371,11 @@ def _generate_corpus(engine, tokenizer, rows, max_new: int, temps=(0.0, 0.7)):
             rejected[row["id"]] = str(out)
             continue
         compiled.add(row["id"])
-        if out["meta_info"]["finish_reason"]["type"] == "length":
-            truncated += 1
+        finish = out["meta_info"]["finish_reason"]
+        if finish["type"] == "length" and "closed early" not in finish.get("message", ""):
+            truncated += 1  # no completion fitted in the tokens left when the closing looked for one
             continue
-        assert out["meta_info"]["finish_reason"]["type"] == "stop", (row["id"], out["meta_info"])
+        assert finish["type"] in ("stop", "length"), (row["id"], out["meta_info"])
         obj = json.loads(out["text"])
         errors = [e.message for e in validator(row).iter_errors(obj)]
         assert not errors, (row["id"], out["text"][:500], errors[:3])
@@ -502,6 +568,26 @@ def test_auto_backend_picks_per_request_and_reports_it(engine, tokenizer):
     assert "\n" in out["text"] and json.loads(out["text"])
     with pytest.raises(ValueError, match="json_whitespace"):
         engine.generate("x", {"json_schema": "{}", "json_whitespace": "pretty"})
+
+
+def test_outputs_near_max_new_tokens_are_closed_and_validate(engine, tokenizer):
+    """A budget too small for what the model writes: the grammar is closed in time, so the output parses
+    and validates, and says it was cut (finish_reason length with the reason)."""
+    before = engine.get_server_info()["grammars_closed"]
+    prompt = schema_prompt(tokenizer, {"schema": SHOP})
+    params = [{"json_schema": json.dumps(SHOP), "temperature": t, "seed": 3, "max_new_tokens": n}
+              for n in (72, 80, 88) for t in (0, 0.9)]
+    outs = engine.generate([prompt] * len(params), params)
+    check = jsonschema.Draft202012Validator(SHOP, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+    closed = 0
+    for p, out in zip(params, outs):
+        finish = out["meta_info"]["finish_reason"]
+        assert out["meta_info"]["completion_tokens"] <= p["max_new_tokens"]
+        if finish["type"] == "length" and "closed early" not in finish["message"]:
+            continue  # the model's own writing left no room for a completion by the time one was looked for
+        closed += finish["type"] == "length"
+        assert not list(check.iter_errors(json.loads(out["text"]))), (p, out["text"])
+    assert closed >= 4 and engine.get_server_info()["grammars_closed"] - before == closed
 
 
 def test_llguidance_backend(tokenizer):

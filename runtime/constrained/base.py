@@ -78,6 +78,11 @@ class Matcher(ABC):
     def copy(self) -> "Matcher":
         """An independent matcher in the same state."""
 
+    def forced_tokens(self) -> list[int] | None:
+        """The token ids every valid continuation starts with, where the matcher knows them as tokens
+        (a closing plan: closing.py); None to tokenize `jump_forward_string` instead."""
+        return None
+
 
 class GrammarBackend(ABC):
     name: str

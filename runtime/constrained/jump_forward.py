@@ -22,10 +22,13 @@ def plan_draft(matcher: Matcher, tokenizer, room: int) -> list[int]:
     matcher, which is left unchanged. [] when there is nothing forced."""
     if room <= 0:
         return []
-    forced = matcher.jump_forward_string()
-    if not forced:
-        return []
-    ids = tokenizer.encode(forced, add_special_tokens=False)[: min(room, MAX_DRAFT)]
+    ids = matcher.forced_tokens()
+    if ids is None:
+        forced = matcher.jump_forward_string()
+        if not forced:
+            return []
+        ids = tokenizer.encode(forced, add_special_tokens=False)
+    ids = ids[: min(room, MAX_DRAFT)]
     accepted = 0
     for t in ids:
         if not matcher.accept_token(t):

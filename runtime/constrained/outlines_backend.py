@@ -11,7 +11,7 @@ import torch
 from plait.runtime.constrained.base import MAX_WHITESPACE, GrammarBackend, GrammarError, JsonStyle, Matcher
 from plait.runtime.constrained.schema_policy import prepare_schema
 
-_MAX_ROLLBACK = 64
+_MAX_ROLLBACK = 128  # a closing search (closing.py) plus a jump-forward walk inside it
 _MAX_JUMP_TOKENS = 32
 
 
@@ -60,6 +60,11 @@ class OutlinesMatcher(Matcher):
         return self._terminated
 
     def jump_forward_string(self) -> str:
+        forced = self.forced_tokens()
+        return self._decode(forced) if forced else ""
+
+    def forced_tokens(self) -> list[int]:
+        """The chain of states that allow exactly one token (the index knows tokens, not text)."""
         forced: list[int] = []
         while len(forced) < _MAX_JUMP_TOKENS:
             allowed = self._guide.get_tokens()
@@ -69,7 +74,7 @@ class OutlinesMatcher(Matcher):
             self._guide.advance(allowed[0], return_tokens=False)
         if forced:
             self._guide.rollback_state(len(forced))
-        return self._decode(forced) if forced else ""
+        return forced
 
     def copy(self) -> "OutlinesMatcher":
         other = OutlinesMatcher(self._index, self._eos, self._decode)

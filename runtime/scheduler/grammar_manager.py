@@ -6,11 +6,14 @@
   where the grammar rejects the pick (exact; most picks pass, so most fills are skipped);
 - fills the other requests' token bitmasks on a worker thread while the forward runs;
 - advances each request's matcher over its sampled token and plans jump-forward drafts;
-- verifies drafts against the model's own picks (constrained/jump_forward.py).
+- verifies drafts against the model's own picks (constrained/jump_forward.py);
+- near max_new_tokens, closes the grammar when the tokens left only just hold its shortest completion
+  found (constrained/closing.py), so the output is cut but still parses.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Callable
@@ -19,12 +22,15 @@ import torch
 
 from plait.runtime.constrained import GrammarCache, GrammarError, JsonStyle, create_backend
 from plait.runtime.constrained.bitmask import allocate_bitmask, apply_token_bitmask_
+from plait.runtime.constrained.closing import CLOSE_WINDOW, ClosingMatcher, CloseVocab, plan_close
 from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
 from plait.runtime.constrained.jump_forward import accepted_prefix, plan_draft
 from plait.runtime.managers.io_struct import FinishReason
 from plait.runtime.sampling import SampleRow, sample
 from plait.runtime.scheduler.req import Req
 from plait.runtime.server_args import ServerArgs
+
+_REPLAN_SLACK = 4  # a planned completion is searched again once the tokens left come within this of it
 
 # bitmask rows of one step: (bitmask, {id(req): first row}); a drafting request has 1 + len(draft) rows
 Masks = tuple[torch.Tensor, dict[int, int]]
@@ -46,6 +52,11 @@ class GrammarManager:
         # a core idle in its single-threaded stretches (measured here: +5-10% per token overlapped at
         # batch 32, +16% filled after the forward)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask") if backend else None
+        closing = backend is not None and not args.disable_grammar_closing
+        self._close_vocab = CloseVocab.from_tokenizer(tokenizer, vocab_size, eos_ids) if closing else None
+        self.closed = 0  # requests whose grammar was closed early (the model would have written on)
+        self.close_searches = 0
+        self.close_search_s = 0.0
         self.draft_budget = 0  # draft tokens this step may still add (set by the scheduler per step)
         self.compiling: list[Req] = []
         self.tokens_jumped = 0  # draft tokens the model confirmed
@@ -182,21 +193,49 @@ class GrammarManager:
             return
         if req.grammar.is_terminated():
             req.finish = FinishReason("stop", matched=tok)
-            return
-        req.check_finished(eos_ids, self.tokenizer, context_length)
+        else:
+            req.check_finished(eos_ids, self.tokenizer, context_length)
         if req.finish is not None:
-            if req.finish.type == "length":
+            if isinstance(req.grammar, ClosingMatcher) and req.grammar.cut:
+                self.closed += 1
+                req.finish = FinishReason("length", message=(
+                    "max_new_tokens was near: the grammar was closed early, so the output is complete but cut short"))
+            elif req.finish.type == "length":
                 req.finish = FinishReason("length", message=(
                     "max_new_tokens (or the context length) was reached before the grammar's end was generated"))
             return
+        left = min(req.params.max_new_tokens - req.output_len, context_length - req.seq_len)
+        reserve = self._close_if_due(req, left)
         if self.args.disable_jump_forward or req.return_logprob or req.params.has_penalties:
             return  # logprobs and penalties are per sampled token: no drafts for them
-        # leave room for the token sampled after the draft
-        room = min(req.params.max_new_tokens - req.output_len, context_length - req.seq_len) - 1
+        # leave room for the token sampled after the draft, and for the closing
+        room = left - 1 - reserve
         req.draft = plan_draft(req.grammar, self.tokenizer, min(room, self.draft_budget))
         self.draft_budget -= len(req.draft)
         req.output_ids.extend(req.draft)
         self.drafted += len(req.draft)
+
+    def _close_if_due(self, req: Req, left: int) -> int:
+        """Within CLOSE_WINDOW tokens of the budget, plan the grammar's completion; once the tokens left
+        only just hold it and the end, the request's matcher becomes a ClosingMatcher (the model writes on
+        only while a completion still fits). Returns the tokens a draft must leave for the plan."""
+        if self._close_vocab is None or isinstance(req.grammar, ClosingMatcher) or left > CLOSE_WINDOW:
+            return 0
+        if req.close_need is not None and left > req.close_need + _REPLAN_SLACK:
+            return req.close_need + 1  # the last plan still fits with room to spare: no new search yet
+        start = time.perf_counter()
+        text = self.tokenizer.decode(req.output_ids)
+        plan = plan_close(req.grammar, self._close_vocab, text, left - 2)
+        self.close_searches += 1
+        self.close_search_s += time.perf_counter() - start
+        if plan is None:  # nothing fits yet (the next token may be on the way): searched again next step
+            req.close_need = None
+            return 0
+        req.close_need = len(plan)
+        if left <= len(plan) + 2:  # the plan, the end of sequence, and one token to spare
+            req.grammar = ClosingMatcher(req.grammar, plan, self._close_vocab, text, left)
+            return 0
+        return len(plan) + 1
 
     def verify(self, req: Req, rows: torch.Tensor, masks: Masks, eos_ids: set[int], context_length: int) -> None:
         """rows: logits at the last sampled token and at each draft position (1 + len(draft))."""
@@ -261,6 +300,7 @@ class GrammarManager:
 
     def stats(self) -> dict:
         return {"num_compiling": len(self.compiling), "tokens_jumped": self.tokens_jumped,
-                "tokens_drafted": self.drafted, "lazy_mask_fills": self.lazy_fills,
+                "tokens_drafted": self.drafted, "grammars_closed": self.closed,
+                "close_searches": self.close_searches, "close_search_s": round(self.close_search_s, 3), "lazy_mask_fills": self.lazy_fills,
                 "grammar_cache_hits": self.cache.hits if self.cache else 0,
                 "grammar_cache_misses": self.cache.misses if self.cache else 0}

@@ -1,0 +1,227 @@
+"""Closing a grammar before the token budget runs out.
+
+A small model at temperature 0 sometimes loops inside a length-bounded string ("Bakery-Bakery-Bak...")
+until `max_new_tokens` cuts the output, which then does not parse. Near the end of the budget the
+scheduler asks for a short completion of the grammar from the request's state (`plan_close`: a
+depth-first search over the matcher that tries first what closes the most: `"`, `}`, `]`, then
+separators, then the shortest values). When the tokens left only just hold that completion and the
+end of sequence, the request's matcher becomes a `ClosingMatcher`: the model writes on as long as a
+completion still fits after its token (searched again each time), and where none would, the plan's
+next token is the only one allowed. The output is cut where the budget demands but complete, so it
+parses and validates; the request reports it (finish_reason `length`, with the reason).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from plait.runtime.constrained.base import Matcher
+from plait.runtime.constrained.bitmask import allocate_bitmask, unpack_bitmask
+
+# the search begins this many tokens before the budget ends (a longer completion is not looked for)
+CLOSE_WINDOW = 48
+_MAX_STEPS = 200  # tokens the search may accept (each costs a mask): it runs once a step near the budget
+_FALLBACK = 3
+_CLOSERS = set('"}]')
+_PUNCTUATION = set("{}[],:")
+_VALUES = ("0", '""', "[]", "{}", "null", "true", "false", '"', "[", "{", "-", "a", "t", "f", "n", " ")
+
+
+@dataclass(frozen=True)
+class CloseVocab:
+    """What the search tries: the tokenizer (for forced text), the closing and value tokens in order,
+    and which tokens are one character (the fallback)."""
+
+    encode: Callable[[str], list[int]]
+    texts: tuple[str, ...]
+    ordered: tuple[int, ...]
+    singles: torch.Tensor  # ids of the one-character tokens: letters and digits first
+    eos_ids: tuple[int, ...]
+    vocab_size: int
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, vocab_size: int, eos_ids: list[int]) -> "CloseVocab":
+        texts = tokenizer.batch_decode([[i] for i in range(min(len(tokenizer), vocab_size))])
+        # pure closers, longest first ('"}]' closes three in one token); then one separator with closers
+        # (another item or a required key must follow); then the shortest values
+        closers = sorted((i for i, s in enumerate(texts) if s and set(s) <= _CLOSERS), key=lambda i: -len(texts[i]))
+        separated = sorted((i for i, s in enumerate(texts) if s.count(",") == 1 and set(s) <= _CLOSERS | {","}),
+                           key=lambda i: -len(texts[i]))
+        first_id = {s: i for i, s in reversed(list(enumerate(texts)))}
+        values = [first_id[s] for s in _VALUES if s in first_id]
+        singles = sorted((i for i, s in enumerate(texts) if len(s) == 1), key=lambda i: not texts[i].isalnum())
+        return cls(lambda text: tokenizer.encode(text, add_special_tokens=False), tuple(texts),
+                   tuple(dict.fromkeys(closers + separated + values)), torch.tensor(singles, dtype=torch.long),
+                   tuple(eos_ids), vocab_size)
+
+
+def _text_of(vocab: "CloseVocab", tok: int) -> str:
+    return vocab.texts[tok] if tok < len(vocab.texts) else ""
+
+
+def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: int) -> list[int] | None:
+    """Token ids that take `matcher` (having produced `text`, or what it left open) to a state where
+    the end of sequence is allowed, at most `limit` of them; None if the search finds none. Depth
+    first, trying first the tokens that leave the least JSON open (strings, arrays, objects) and, among
+    equals, the closers, separators and short values in `vocab.ordered`; it backtracks out of dead ends
+    but stops once its path runs past `limit`. The matcher is left as it was."""
+    rank = {t: i for i, t in enumerate(vocab.ordered)}
+    ordered = torch.tensor(vocab.ordered, dtype=torch.long)
+    bitmask = allocate_bitmask(1, vocab.vocab_size)
+    steps = 0
+
+    class TooDeep(Exception):
+        """The first path found runs past the limit: others would not be shorter, so stop."""
+
+    def key(state: _Open, tok: int) -> tuple:
+        text = _text_of(vocab, tok)
+        after = state.after(text)
+        # JSON punctuation written into a string closes nothing: letters are the better content
+        content = text.split('"', 1)[0] if state.in_string else ""
+        return any(c in _PUNCTUATION for c in content), after.open, len(text), rank.get(tok, len(rank))
+
+    def candidates(allowed: torch.Tensor, state: _Open) -> list[int]:
+        forced = matcher.forced_tokens()
+        if forced is None:
+            forced_text = matcher.jump_forward_string()
+            forced = vocab.encode(forced_text)[:1] if forced_text else []
+        # a few allowed one-character tokens too (a pattern's digit, a minLength's letter)
+        tried = ordered[allowed[ordered]].tolist() + vocab.singles[allowed[vocab.singles]][:_FALLBACK].tolist()
+        tried.sort(key=lambda t: key(state, t))
+        return list(dict.fromkeys(forced[:1] + tried))
+
+    def search(depth: int, state: _Open) -> list[int] | None:
+        nonlocal steps
+        matcher.fill_bitmask(bitmask, 0)
+        allowed = unpack_bitmask(bitmask, vocab.vocab_size)[0]
+        if any(allowed[e] for e in vocab.eos_ids):
+            return []
+        if depth == limit:
+            raise TooDeep
+        for tok in candidates(allowed, state):
+            if steps >= _MAX_STEPS:
+                return None
+            if not matcher.accept_token(tok):
+                continue
+            steps += 1
+            try:
+                rest = search(depth + 1, state.after(_text_of(vocab, tok)))
+            finally:
+                matcher.rollback(1)
+            if rest is not None:
+                return [tok] + rest
+        return None  # a dead end: the caller tries its next token
+
+    if limit < 0:
+        return None
+    try:
+        return search(0, _Open().after(text) if isinstance(text, str) else text)
+    except TooDeep:
+        return None
+
+
+@dataclass(frozen=True)
+class _Open:
+    """What a JSON text leaves open: arrays and objects (`depth`), a string, an escape in it."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+
+    @property
+    def open(self) -> int:
+        return self.depth + self.in_string
+
+    def after(self, text: str) -> "_Open":
+        depth, in_string, escaped = self.depth, self.in_string, self.escaped
+        for ch in text:
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    in_string = False
+            elif ch == '"':
+                in_string = True
+            elif ch in "[{":
+                depth += 1
+            elif ch in "]}":
+                depth = max(0, depth - 1)
+        return _Open(depth, in_string, escaped)
+
+
+class ClosingMatcher(Matcher):
+    """A request's matcher once the tokens left only just hold a completion of its grammar. The model
+    writes on while it can: a token is taken if the grammar takes it and a completion (searched again
+    from there) still fits in the budget after it, the end of sequence included; any other is refused,
+    and the mask then allows only the next token of the current plan (or the end, once the grammar
+    may end). `cut` counts the refusals: the tokens the model would have written otherwise."""
+
+    def __init__(self, inner: Matcher, plan: list[int], vocab: CloseVocab, text: str, budget: int):
+        self._inner, self._vocab = inner, vocab
+        self._plan, self._open, self._budget = plan, _Open().after(text), budget  # budget: tokens still allowed
+        self._history: list[tuple[list[int], _Open]] = []  # (plan, open) before each accepted token
+        self.cut = 0
+
+    def accept_token(self, token: int) -> bool:
+        if not self._inner.accept_token(token):
+            return False
+        opened = self._open.after(_text_of(self._vocab, token))
+        if self._plan and token == self._plan[0]:
+            plan = self._plan[1:]
+        elif self._inner.is_terminated():
+            plan = []
+        else:
+            plan = plan_close(self._inner, self._vocab, opened, self._budget - 2)  # leaves room for the end
+            if plan is None:
+                self._inner.rollback(1)
+                self.cut += 1
+                return False
+        self._history.append((self._plan, self._open))
+        self._plan, self._open, self._budget = plan, opened, self._budget - 1
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if not self._plan:  # the grammar may end here: only the end (whatever else it allows may not fit)
+            self._inner.fill_bitmask(bitmask, row)
+            allowed = [e for e in self._vocab.eos_ids if (int(bitmask[row, e // 32]) >> (e % 32)) & 1]
+            bitmask[row].zero_()
+            for e in allowed:
+                _set_bit(bitmask, row, e)
+            return
+        bitmask[row].zero_()
+        _set_bit(bitmask, row, self._plan[0])
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > len(self._history):
+            raise RuntimeError(f"cannot roll back {num_tokens} tokens past where the closing began")
+        if num_tokens:
+            self._inner.rollback(num_tokens)
+            self._plan, self._open = self._history[-num_tokens]
+            del self._history[-num_tokens:]
+            self._budget += num_tokens
+
+    def is_terminated(self) -> bool:
+        return self._inner.is_terminated()
+
+    def jump_forward_string(self) -> str:
+        return ""
+
+    def forced_tokens(self) -> list[int]:
+        """The plan, drafted: the model keeps what it agrees with and writes on where it does not."""
+        return list(self._plan)
+
+    def copy(self) -> "ClosingMatcher":
+        twin = ClosingMatcher.__new__(ClosingMatcher)
+        twin.__dict__.update(self.__dict__)
+        twin._inner, twin._history = self._inner.copy(), list(self._history)
+        return twin
+
+
+def _set_bit(bitmask: torch.Tensor, row: int, token: int) -> None:
+    word = int(bitmask[row, token // 32]) | (1 << (token % 32))
+    bitmask[row, token // 32] = word - (1 << 32) if word >= 1 << 31 else word  # int32: bit 31 is the sign
