@@ -68,6 +68,9 @@ class ServerArgs:
         30.0, "seconds of compiling a grammar may take before its request fails (a 400; its compile worker is "
         "killed); with auto, each backend but the last gets at most half of what is left")
     disable_jump_forward: bool = _arg(False, "sample every token even where the grammar allows only one continuation")
+    disable_json_narrowing: bool = _arg(
+        False, "refuse (a 400) a JSON schema keyword no backend enforces exactly, instead of enforcing a stricter "
+        "schema whose every output is valid (README: Structured output)")
     disable_grammar_closing: bool = _arg(
         False, "let a constrained output run into max_new_tokens unfinished, instead of closing its grammar (the "
         "shortest completion found, then the end) when the tokens left only just hold that")

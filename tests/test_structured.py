@@ -46,9 +46,12 @@ def test_policy_rejects_what_backends_would_ignore():
     from plait.runtime.constrained.schema_policy import prepare_schema
 
     with pytest.raises(GrammarError, match=r"'uniqueItems' at #/properties/tags/uniqueItems"):
-        prepare_schema({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}, "xgrammar")
+        prepare_schema({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}, "xgrammar",
+                       narrow=False)
     with pytest.raises(GrammarError, match=r"'not' at #/not"):
-        prepare_schema({"not": {"type": "string"}}, "xgrammar")
+        prepare_schema({"not": {"type": "string"}}, "xgrammar", narrow=False)
+    with pytest.raises(GrammarError, match=r"'not' at #/not"):  # no narrowing known for it
+        prepare_schema({"type": "string", "not": {"pattern": "^a"}}, "xgrammar")
     with pytest.raises(GrammarError, match="'minimum'"):
         prepare_schema({"type": "integer", "minimum": 3}, "outlines")
     with pytest.raises(GrammarError, match="oneOf"):  # 1 is both an integer and a number
@@ -65,6 +68,110 @@ def test_policy_rejects_what_backends_would_ignore():
     assert s == {"type": "integer", "exclusiveMinimum": 2}
     s = prepare_schema({"allOf": [{"type": "integer"}, {"maximum": 9}]}, "xgrammar")
     assert s == {"type": "integer", "maximum": 9}
+
+
+# one schema per narrowing (schema_policy.py): no backend enforces these keywords, so each is enforced
+# as a stricter schema whose every document is valid for the original
+NARROWED = {
+    "uniqueItems": {"type": "array", "items": {"type": "string", "maxLength": 8}, "uniqueItems": True},
+    "dependentRequired": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                          "dependentRequired": {"a": ["b"]}, "additionalProperties": False},
+    "dependentSchemas": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+                         "required": ["b"], "dependentSchemas": {"a": {"not": {"required": ["b"]}}}},
+    "if/then/else": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "meows": {"type": "boolean"}},
+                     "required": ["kind"], "additionalProperties": False,
+                     "if": {"properties": {"kind": {"const": "cat"}}}, "then": {"required": ["meows"]},
+                     "else": {"not": {"required": ["meows"]}}},
+    "allOf of if/then": {"type": "object", "properties": {"t": {"type": "string"}, "n": {"type": "integer"}},
+                         "allOf": [{"if": {"properties": {"t": {"const": "a"}}}, "then": {"required": ["n"]}},
+                                   {"if": {"properties": {"t": {"const": "b"}}},
+                                    "then": {"properties": {"n": {"maximum": 3}}}}]},
+    "not required": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                     "not": {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}},
+    "not type": {"not": {"type": ["string", "object", "array"]}},
+    "not enum": {"type": "object", "properties": {
+        "n": {"type": "integer", "maximum": 9, "not": {"enum": [0, 1]}},
+        "s": {"type": "string", "maxLength": 4, "not": {"const": "ab"}},
+        "e": {"enum": ["x", "y", "z"], "not": {"const": "y"}}}, "required": ["n", "s", "e"]},
+    "oneOf by required names": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                                "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+    "oneOf by a discriminator": {"type": "array", "items": {"oneOf": [
+        {"type": "object", "properties": {"k": {"enum": ["x"]}, "v": {"type": "string", "maxLength": 4}}},
+        {"type": "object", "properties": {"k": {"enum": ["y", "z"]}, "v": {"type": "boolean"}}}]}},
+    "oneOf of closed objects": {"oneOf": [  # `{}` is in both
+        {"type": "object", "properties": {"ps": {"type": "string"}}, "additionalProperties": False},
+        {"type": "object", "properties": {"sh": {"type": "string"}}, "additionalProperties": False}]},
+    "propertyNames": {"type": "object", "properties": {"x1": {"type": "integer"}, "zz": {"type": "integer"}},
+                      "propertyNames": {"pattern": "^x[0-9]$"}, "additionalProperties": {"type": "boolean"},
+                      "maxProperties": 3},
+    "format regex": {"type": "object", "properties": {"re": {"type": "string", "format": "regex"},
+                                                      "iri": {"type": "string", "format": "iri"}},
+                     "required": ["re", "iri"]},
+}
+# and exact rewrites of keywords no backend takes as they are
+REWRITTEN = {
+    "oneOf of values and a format": {"oneOf": [{"enum": ["none", "auto"]}, {"type": "string", "format": "uri"}]},
+    "allOf with additionalProperties": {"allOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        {"type": "object", "properties": {"a": {"maximum": 5}, "b": {"type": "boolean"}}, "additionalProperties": False}]},
+    "if/then/else on a pinned property": {
+        "type": "object", "properties": {"kind": {"enum": ["cat", "dog", "owl"]}, "meows": {"type": "boolean"}},
+        "required": ["kind"], "additionalProperties": False,
+        "if": {"properties": {"kind": {"const": "cat"}}}, "then": {"required": ["meows"]},
+        "else": {"properties": {"meows": False}}},
+}
+
+
+def _random_documents(g, vocab, tokenizer, n: int) -> list[str]:
+    """n documents of a compiled grammar: up to 24 random allowed tokens each, then the closing search's
+    completion (closing.py)."""
+    from plait.runtime.constrained.bitmask import allocate_bitmask, unpack_bitmask
+    from plait.runtime.constrained.closing import plan_close
+
+    docs, bitmask = [], allocate_bitmask(1, 49152)
+    for seed in range(n):
+        rng, m, ids = random.Random(seed), g.matcher(), []
+        for _ in range(rng.randrange(24)):
+            m.fill_bitmask(bitmask, 0)
+            allowed = [t for t in unpack_bitmask(bitmask, 49152)[0].nonzero().flatten().tolist()
+                       if t != tokenizer.eos_token_id]
+            if not allowed:
+                break
+            ids.append(rng.choice(allowed))
+            assert m.accept_token(ids[-1])
+        plan = plan_close(m, vocab, tokenizer.decode(ids), 256)
+        assert plan is not None, tokenizer.decode(ids)
+        docs.append(tokenizer.decode(ids + plan))
+    return docs
+
+
+def test_narrowings_admit_only_valid_documents(backends, tokenizer):
+    """Each narrowing is refused without narrowing (each exact rewrite needs none), and every document
+    the grammar admits (random walks through it, then completed) is valid for the schema as sent,
+    formats included."""
+    from plait.runtime.constrained import GrammarError
+    from plait.runtime.constrained.closing import CloseVocab
+    from plait.runtime.constrained.schema_policy import prepare_schema, rewrite_schema
+
+    vocab = CloseVocab.from_tokenizer(tokenizer, 49152, [tokenizer.eos_token_id])
+    for what, schema in {**NARROWED, **REWRITTEN}.items():
+        if what in NARROWED:
+            with pytest.raises(GrammarError):
+                prepare_schema(schema, "llguidance", narrow=False)
+        else:
+            assert not rewrite_schema(schema, "llguidance")[1], what  # exact: no narrowing
+        check = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        compiled = 0
+        for name in ("xgrammar", "llguidance"):
+            try:
+                g = backends[name].compile("json_schema", json.dumps(schema))
+            except GrammarError:
+                continue
+            compiled += 1
+            for doc in _random_documents(g, vocab, tokenizer, 16):
+                errors = [e.message for e in check.iter_errors(json.loads(doc))]
+                assert not errors, (what, name, doc, errors)
+        assert compiled, what
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +262,11 @@ FORMAT_CASES = {
     "duration": ["P1D", "PT1H", "P1Y2M3DT4H5M6S", "P1W", "P", "PT", "P1DT", "1D", "P1W1D"],
     "uri": ["http://a.com", "urn:isbn:1234", "mailto:a@b.com", "http:", "a.com", "http://a b.com", "//a.com"],
     "uri-reference": ["http://a.com", "/a/b", "a/b?c#d", "", "http://a b.com", "\\a"],
+    "iri-reference": ["/a/b", "", "a b", "//x"],
+    "regex": ["a", "", "a b", "[", "(a", "a-b_c"],
+    "iri": ["http://a.com", "a.com", "http://a b.com"],
+    "idn-email": ["a@b.co", "ab.com"],
+    "idn-hostname": ["example.com", "-a.com", "a" * 64 + ".com"],
 }
 # values a backend must also accept where it enforces the format (each one well inside it)
 FORMAT_TYPICAL = {"date": "2024-02-29", "time": "08:30:00Z", "date-time": "2024-02-29T08:30:00+01:00",
@@ -562,6 +674,13 @@ def test_auto_backend_picks_per_request_and_reports_it(engine, tokenizer):
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]
         v = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
         assert not list(v.iter_errors(json.loads(out["text"]))), out["text"]
+    # a keyword no backend enforces: narrowed, said in meta_info, and the output valid for the schema as sent
+    tags = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                      "uniqueItems": True}}, "required": ["tags"]}
+    out = engine.generate(schema_prompt(tokenizer, {"schema": tags}), {
+        "json_schema": json.dumps(tags), "temperature": 0, "max_new_tokens": 48})
+    assert out["meta_info"]["grammar_narrowed"] == ["uniqueItems as at most one item at #/properties/tags"]
+    assert not list(jsonschema.Draft202012Validator(tags).iter_errors(json.loads(out["text"]))), out["text"]
     # per request: flexible whitespace over the server's compact default (the model indents its JSON)
     out = engine.generate(schema_prompt(tokenizer, {"schema": PERSON}), {
         "json_schema": json.dumps(PERSON), "json_whitespace": "flexible", "temperature": 0, "max_new_tokens": 128})

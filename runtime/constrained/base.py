@@ -35,10 +35,11 @@ class JsonStyle:
     ':' and ',' and none elsewhere; `flexible`: any JSON whitespace between tokens (at most
     MAX_WHITESPACE characters a gap), so the model may write newlines and indentation. Key order
     `schema`: properties in the schema's order; `any`: any order, where the backend can (xgrammar),
-    else the schema's (a subset of any order)."""
+    else the schema's (a subset of any order). `narrow`: whether the schema may be narrowed."""
 
     whitespace: str = "compact"
     key_order: str = "schema"
+    narrow: bool = True  # a keyword no backend enforces may become a stricter one (schema_policy.py)
 
     def __post_init__(self) -> None:
         if self.whitespace not in JSON_WHITESPACE:

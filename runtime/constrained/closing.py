@@ -70,7 +70,8 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
     but stops once its path runs past `limit`. The matcher is left as it was."""
     rank = {t: i for i, t in enumerate(vocab.ordered)}
     ordered = torch.tensor(vocab.ordered, dtype=torch.long)
-    bitmask = allocate_bitmask(1, vocab.vocab_size)
+    bitmask, probe = allocate_bitmask(1, vocab.vocab_size), allocate_bitmask(1, vocab.vocab_size)
+    closers_ = torch.tensor([t for t in vocab.ordered if _text_of(vocab, t).startswith('"')], dtype=torch.long)
     steps = 0
 
     class TooDeep(Exception):
@@ -88,10 +89,25 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
         if forced is None:
             forced_text = matcher.jump_forward_string()
             forced = vocab.encode(forced_text)[:1] if forced_text else []
-        # a few allowed one-character tokens too (a pattern's digit, a minLength's letter)
-        tried = ordered[allowed[ordered]].tolist() + vocab.singles[allowed[vocab.singles]][:_FALLBACK].tolist()
+        # a few allowed one-character tokens too, letters and digits and others (a pattern's digit, a
+        # minLength's letter, a URI's colon)
+        singles = vocab.singles[allowed[vocab.singles]]
+        tried = ordered[allowed[ordered]].tolist() + singles[:_FALLBACK].tolist() + singles[-_FALLBACK:].tolist()
         tried.sort(key=lambda t: key(state, t))
-        return list(dict.fromkeys(forced[:1] + tried))
+        tried = list(dict.fromkeys(forced[:1] + tried))
+        if state.in_string and not allowed[closers_].any():
+            # stuck inside a string (a pattern, a format, a minLength): first what lets it close next
+            tried.sort(key=lambda t: not opens_a_close(t))
+        return tried
+
+    def opens_a_close(tok: int) -> bool:
+        if not matcher.accept_token(tok):
+            return False
+        try:
+            matcher.fill_bitmask(probe, 0)
+            return bool(unpack_bitmask(probe, vocab.vocab_size)[0][closers_].any())
+        finally:
+            matcher.rollback(1)
 
     def search(depth: int, state: _Open) -> list[int] | None:
         nonlocal steps

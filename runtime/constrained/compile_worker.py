@@ -48,6 +48,7 @@ class CompileJob(msgspec.Struct, frozen=True):
     text: str
     whitespace: str
     key_order: str
+    narrow: bool
     only: str = ""  # under auto: compile with this one backend ("": the worker's backend as configured)
 
 
@@ -180,7 +181,7 @@ class IsolatedCompiler:
         from plait.runtime.constrained.auto_backend import AutoBackend
 
         self.start()
-        job = CompileJob(kind, text, style.whitespace, style.key_order)
+        job = CompileJob(kind, text, style.whitespace, style.key_order, style.narrow)
         spent = [0.0]  # compile time so far (a worker's start-up after a kill is not compile time)
 
         def remote(job: CompileJob, share: float) -> CompileReply:
@@ -255,7 +256,7 @@ def main() -> None:
         job = msgspec.msgpack.decode(frame, type=CompileJob)
         try:
             chosen = backend.named(job.only) if job.only else backend
-            name, payload = chosen.build(job.kind, job.text, JsonStyle(job.whitespace, job.key_order))
+            name, payload = chosen.build(job.kind, job.text, JsonStyle(job.whitespace, job.key_order, job.narrow))
             reply = CompileReply(backend=name, payload=payload)
         except GrammarError as e:
             reply = CompileReply(error=str(e))

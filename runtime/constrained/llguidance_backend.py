@@ -85,7 +85,7 @@ class LLGuidanceBackend(GrammarBackend):
         import llguidance
 
         if kind == "json_schema":  # keys in the schema's order always (llguidance has no other)
-            schema = prepare_schema(text, self.name)
+            schema = prepare_schema(text, self.name, style.narrow)
             if style.whitespace == "flexible":
                 options = {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE}}}"}
             else:  # xgrammar's compact separators, so the backends write alike

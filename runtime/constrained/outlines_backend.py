@@ -111,7 +111,7 @@ class OutlinesBackend(GrammarBackend):
             raise GrammarError("the outlines backend has no EBNF support (use --grammar-backend xgrammar)")
         try:
             if kind == "json_schema":
-                schema = prepare_schema(text, self.name)
+                schema = prepare_schema(text, self.name, style.narrow)
                 # compact: no whitespace at all (outlines-core puts the gap pattern around every separator)
                 gap = f"[ \\t\\n\\r]{{0,{MAX_WHITESPACE}}}" if style.whitespace == "flexible" else ""
                 regex = build_regex_from_schema(json.dumps(schema), gap)

@@ -7,15 +7,29 @@ does not validate, so `prepare_schema` walks every subschema reachable from the 
 raises `GrammarError` naming each keyword it cannot enforce, with its JSON pointer.
 
 Rewrites that keep the meaning exactly:
-- `oneOf` becomes `anyOf` when its branches are provably disjoint (different JSON types,
-  different `const`/`enum` values of a property both require, or a property one requires
-  and the other forbids), since then "exactly one" and "at least one" agree;
-- `allOf` is merged into its parent when the parts constrain different keywords;
+- `oneOf` becomes `anyOf` when no instance can be valid for two branches (different JSON types,
+  values one pins that the other refuses (checked with jsonschema), a property one requires that
+  the other forbids or gives disjoint values, arrays whose first items differ), since then
+  "exactly one" and "at least one" agree;
+- `allOf` is merged into its parent keyword by keyword (bounds tighten, types and enums intersect,
+  required names unite, a property both constrain gets both, `additionalProperties` keeps applying
+  to the names its own part did not list);
+- `if`/`then`/`else` decided by what the schema pins already, or split into an anyOf on the values
+  of a required property it pins (a discriminator);
 - draft-4 boolean `exclusiveMinimum`/`exclusiveMaximum` become the numeric form;
 - tuple `items: [...]` (drafts 4-7) becomes `prefixItems` (+ `additionalItems` as `items`);
 - an object schema naming no properties admits any (the backends would otherwise allow only `{}`);
 - a `format` the backend enforces only approximately becomes an exact `pattern` (formats.py), and a
   format no validator asserts (`"format": "binary"`) is dropped, as validators ignore it.
+
+Narrowings (unless turned off: --disable-json-narrowing): where no backend enforces a keyword, a
+stricter schema whose every instance is valid for the one sent, though not every valid instance is
+one of it (`narrow_keywords`, `one_of`, `exact_format`): `uniqueItems` as one item at most;
+dependencies as the property required with its names, or absent; an undecided `if` as holding;
+`not` of names, types or values as what it leaves; `propertyNames` as the properties it admits;
+overlapping `oneOf` branches narrowed until each excludes every other as sent; formats no backend
+enforces as a plainer part of them (`regex` as literal text, an IRI as a URI). Each one applied is
+listed (`rewrite_schema`) and reported in the request's meta_info.
 
 llguidance refuses what it does not implement by itself; the walker still lists its keywords, so a
 keyword it would accept but not enforce is refused here, and the message names keywords the same
@@ -30,7 +44,7 @@ import re
 from typing import Any
 
 from plait.runtime.constrained.base import GrammarError
-from plait.runtime.constrained.formats import EXACT
+from plait.runtime.constrained.formats import EXACT, NARROWER, SUBFORMAT
 
 # keywords with no effect on validity
 _ANNOTATIONS = {
@@ -53,8 +67,9 @@ _COMMON = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properti
            "additionalProperties", "items", "prefixItems", "minItems", "maxItems", "pattern", "minLength", "maxLength",
            "format"}
 _SUPPORTED = {
+    # (xgrammar's own propertyNames leaves the names in `properties` unchecked: names_as_properties)
     "xgrammar": _COMMON | {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-                           "propertyNames", "patternProperties", "maxProperties", "unevaluatedProperties"},
+                           "patternProperties", "maxProperties", "unevaluatedProperties"},
     "llguidance": _COMMON | {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
                              "patternProperties", "minProperties", "maxProperties"},
     "outlines": _COMMON | {"minProperties"},
@@ -83,8 +98,14 @@ _FAMILIES = {
 _JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 
 
-def prepare_schema(schema: Any, backend: str) -> dict | bool:
-    """The schema rewritten for `backend`; GrammarError lists every keyword it cannot enforce."""
+def prepare_schema(schema: Any, backend: str, narrow: bool = True) -> dict | bool:
+    """The schema rewritten for `backend`; GrammarError lists every keyword it cannot enforce. With
+    `narrow`, a keyword no backend enforces exactly may be replaced by a stricter one (a narrowing)."""
+    return rewrite_schema(schema, backend, narrow)[0]
+
+
+def rewrite_schema(schema: Any, backend: str, narrow: bool = True) -> tuple[dict | bool, list[str]]:
+    """prepare_schema's schema, and the narrowings it applied (each said where)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -93,18 +114,21 @@ def prepare_schema(schema: Any, backend: str) -> dict | bool:
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("json_schema must be a JSON object")
     schema = copy.deepcopy(schema)
-    walker = _Walker(schema, backend)
+    walker = _Walker(schema, backend, narrow)
     walker.visit(schema, "#")
     if walker.problems:
         shown = "; ".join(walker.problems[:8]) + (f"; and {len(walker.problems) - 8} more" if len(walker.problems) > 8 else "")
         raise GrammarError(f"json_schema uses what the {backend} backend cannot enforce: {shown}")
-    return schema
+    return schema, list(dict.fromkeys(walker.narrowed))
 
 
 class _Walker:
-    def __init__(self, root: Any, backend: str):
+    def __init__(self, root: Any, backend: str, narrow: bool = True):
         self.root = root
+        self.original = copy.deepcopy(root)  # the walk rewrites root in place
+        self.narrowed: list[str] = []  # each narrowing, said where
         self.backend = backend
+        self.narrow = narrow
         self.supported = _SUPPORTED[backend]
         self.problems: list[str] = []
         self.seen: set[int] = set()
@@ -112,20 +136,14 @@ class _Walker:
     def bad(self, ptr: str, what: str) -> None:
         self.problems.append(f"{what} at {ptr}")
 
-    def resolve(self, ref: str, ptr: str) -> Any:
+    def resolve(self, ref: str, ptr: str, root: Any = None) -> Any:
+        """The subschema `ref` points to, in the schema being rewritten (or in `root`)."""
         if not ref.startswith("#"):
             self.bad(ptr, f"$ref {ref!r} (only local '#/...' references are resolved)")
             return None
-        node = self.root
-        for part in [p for p in ref[1:].split("/") if p]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                self.bad(ptr, f"$ref {ref!r} that does not resolve")
-                return None
+        node = _lookup(self.root if root is None else root, ref)
+        if node is None:
+            self.bad(ptr, f"$ref {ref!r} that does not resolve")
         return node
 
     def visit(self, s: Any, ptr: str) -> None:
@@ -176,30 +194,61 @@ class _Walker:
         elif "additionalItems" in s:
             s.pop("additionalItems")  # without tuple items it has no effect
         self.infer_type(s, ptr)
-        self.exact_format(s)
+        self.exact_format(s, ptr)
         if s.get("uniqueItems") is False or (s.get("uniqueItems") and s.get("maxItems", 2) <= 1):
             s.pop("uniqueItems")
         if "minProperties" in s and s["minProperties"] <= len(set(s.get("required") or [])):
             s.pop("minProperties")  # implied by required
+        self.if_then_else(s, ptr)
         if "allOf" in s:
             self.merge_all_of(s, ptr)
+        if self.narrow:
+            self.narrow_keywords(s, ptr)
+            if "allOf" in s:  # brought by a narrowing (then, dependentSchemas)
+                self.merge_all_of(s, ptr)
         if "oneOf" in s:
-            branches = s["oneOf"]
-            if isinstance(branches, list) and self.disjoint(branches):
-                s.setdefault("anyOf", [])
-                if s["anyOf"]:
-                    self.bad(f"{ptr}/oneOf", "'oneOf' beside 'anyOf'")
-                s["anyOf"] = s.pop("oneOf")
-            else:
-                s.pop("oneOf")
-                self.bad(f"{ptr}/oneOf", "'oneOf' whose branches may overlap (exactly-one cannot be enforced)")
+            self.one_of(s, ptr)
         self.required_into_properties(s, ptr)
         if s.get("type") in ("object", ["object"]):
             if not any(k in s for k in ("properties", "patternProperties", "additionalProperties",
                                         "unevaluatedProperties", "propertyNames")):
                 s["additionalProperties"] = True
 
-    def exact_format(self, s: dict) -> None:
+    def one_of(self, s: dict, ptr: str) -> None:
+        """`oneOf` as `anyOf` where no instance can be in two branches; with narrowing, where branches
+        narrowed to exclude one another (closed, told apart by required names or a discriminator) do."""
+        branches = s.pop("oneOf")
+        if not isinstance(branches, list):
+            self.bad(f"{ptr}/oneOf", "'oneOf' that is not a list")
+            return
+        sent, root = self.sent_branches(ptr, branches)
+        chosen = None
+        if sent is not None:
+            chosen = branches if self.disjoint(branches, sent, root) else None
+            for narrowed in ([self.closed_object(b) for b in branches], self.exclusive(branches, s),
+                             self.discriminated(branches)) if chosen is None and self.narrow else ():
+                if narrowed is not None and self.disjoint(narrowed, sent, root):
+                    chosen = narrowed
+                    self.narrowed.append(f"oneOf at {ptr}: its branches narrowed to exclude one another")
+                    break
+        if chosen is None:
+            self.bad(f"{ptr}/oneOf", "'oneOf' whose branches may overlap (exactly-one cannot be enforced)")
+        elif s.get("anyOf"):
+            self.bad(f"{ptr}/oneOf", "'oneOf' beside 'anyOf'")
+        else:
+            s["anyOf"] = chosen
+
+    def sent_branches(self, ptr: str, branches: list) -> tuple[list | None, Any]:
+        """This oneOf's branches as sent, and the schema to resolve them in: the walk rewrites in place,
+        and a definition it has narrowed elsewhere no longer says what the sender's branch admits.
+        (None, None) where they cannot be found as sent."""
+        node = _lookup(self.original, ptr)
+        found = node.get("oneOf") if isinstance(node, dict) else None
+        if isinstance(found, list) and len(found) == len(branches):
+            return found, self.original
+        return (None, None) if self.narrowed else (branches, None)  # nothing narrowed yet: as sent
+
+    def exact_format(self, s: dict, ptr: str) -> None:
         """Drop a format no validator asserts; make one the backend enforces only approximately an
         exact pattern (left in place, and refused, where the backend cannot take that pattern)."""
         fmt = s.get("format")
@@ -207,6 +256,17 @@ class _Walker:
             return
         if fmt not in _ASSERTED_FORMATS:
             s.pop("format")
+            return
+        if self.narrow and fmt in SUBFORMAT and self.enforceable(SUBFORMAT[fmt], s):
+            self.note(ptr, f"format {fmt!r} as {SUBFORMAT[fmt]!r}")
+            s["format"] = fmt = SUBFORMAT[fmt]
+            if fmt in _FORMATS[self.backend]:
+                return
+        if self.narrow and fmt in NARROWER and "pattern" not in s and (
+                self.backend in _LENGTHS_WITH_PATTERN or not ("minLength" in s or "maxLength" in s)):
+            s.pop("format")
+            s["pattern"] = f"^{NARROWER[fmt]}$"
+            self.note(ptr, f"format {fmt!r} as the pattern {s['pattern']!r}")
             return
         if fmt not in EXACT or "pattern" in s:
             return
@@ -217,6 +277,13 @@ class _Walker:
         s["pattern"] = f"^{pattern}$"
         if max_length is not None:
             s["maxLength"] = min(max_length, s.get("maxLength", max_length))
+
+    def enforceable(self, fmt: str, s: dict) -> bool:
+        """The backend enforces `fmt` natively or as formats.EXACT's pattern, beside what `s` has."""
+        if fmt in _FORMATS[self.backend]:
+            return True
+        return fmt in EXACT and "pattern" not in s and (
+            self.backend in _LENGTHS_WITH_PATTERN or (EXACT[fmt][1] is None and not ("minLength" in s or "maxLength" in s)))
 
     def required_into_properties(self, s: dict, ptr: str) -> None:
         """Backends enforce `required` only for names listed in `properties`; list the others
@@ -245,34 +312,291 @@ class _Walker:
         elif len(families) > 1:
             self.bad(ptr, f"keywords of several types ({', '.join(sorted(families))}) without 'type'")
 
+    # ---- narrowings: a stricter schema where no backend enforces the keyword itself ----------------
+    def note(self, ptr: str | None, what: str) -> None:
+        if ptr is not None:  # None: a trial (closed_object), kept or dropped by its caller
+            self.narrowed.append(f"{what} at {ptr}")
+
+    def narrow_keywords(self, s: dict, ptr: str | None) -> None:
+        """Rewrites whose every instance is valid for the original (not every valid instance is one):
+        - `uniqueItems` with minItems <= 1: at most one item;
+        - `dependencies`/`dependentRequired`/`dependentSchemas` on a property: with names, the property
+          required with them; with a schema, merged through allOf where the property is required,
+          else the property absent;
+        - `not` of required names: those properties absent; `not` of types: the other types."""
+        if s.get("uniqueItems") is True and s.get("minItems", 0) <= 1:
+            s.pop("uniqueItems")
+            s["maxItems"] = 1
+            self.note(ptr, "uniqueItems as at most one item")
+        for key in ("dependencies", "dependentRequired", "dependentSchemas"):
+            deps = s.get(key)
+            if not isinstance(deps, dict):
+                continue
+            s.pop(key)
+            required = s.setdefault("required", [])
+            for name, dep in deps.items():
+                if isinstance(dep, list):  # names: required with it
+                    if name not in required:
+                        self.note(ptr, f"{key} of {name!r} as {name!r} required")
+                    required.extend([name, *dep])
+                elif name in required or dep is True:
+                    s.setdefault("allOf", []).append(dep)
+                else:  # a schema (often a `not` of other names, which requiring could contradict): absent
+                    s.setdefault("properties", {})[name] = False
+                    self.note(ptr, f"{key} of {name!r} as {name!r} absent")
+            s["required"] = list(dict.fromkeys(required))
+        if isinstance(s.get("not"), dict):
+            self.narrow_not(s)
+            if "not" not in s:
+                self.note(ptr, "not as what it leaves (names absent, other types or values)")
+        if "propertyNames" in s and "propertyNames" not in self.supported:
+            self.names_as_properties(s)
+            if "propertyNames" not in s:
+                self.note(ptr, "propertyNames as the properties it admits")
+
+    def names_as_properties(self, s: dict) -> None:
+        """`propertyNames` of an enum or a pattern (or lengths) as the properties or the patternProperties
+        it admits, no others: listed names it refuses become absent, and its own names meet
+        additionalProperties (a listed name it admits meets it too: narrower)."""
+        names = self.deref(s["propertyNames"])
+        if names is True or s.get("patternProperties") or not isinstance(names, dict):
+            return
+        keys = set(names) - _ANNOTATIONS - {"type"}
+        extra = s.get("additionalProperties", True)
+        props = s.setdefault("properties", {})
+        if keys == {"enum"} and all(isinstance(n, str) for n in names["enum"]):
+            for name in list(props):
+                if name not in names["enum"]:
+                    props[name] = False
+            for name in names["enum"]:
+                props.setdefault(name, copy.deepcopy(extra))
+        elif keys and keys <= {"pattern", "minLength", "maxLength"}:
+            lengths = f"^[\\s\\S]{{{names.get('minLength', 0)},{names.get('maxLength', '')}}}$"
+            pattern = names.get("pattern") if keys == {"pattern"} else lengths if "pattern" not in keys else None
+            if pattern is None:
+                return
+            for name in list(props):
+                if not re.search(pattern, name):
+                    props[name] = False
+            s["patternProperties"] = {pattern: copy.deepcopy(extra)}
+        else:
+            return
+        s.pop("propertyNames")
+        s["additionalProperties"] = False
+
+    def narrow_not(self, s: dict) -> None:
+        """`not` of required names (alone, in allOf or anyOf): a name of each group absent; of types:
+        the other types; of values: numbers above them, strings longer than them, or the values left."""
+        neg = self.deref(s["not"])
+        if not isinstance(neg, dict):
+            return
+        keys = set(neg) - _ANNOTATIONS
+        groups = None  # name groups none of which may be all present
+        if keys == {"anyOf"} and isinstance(neg["anyOf"], list):
+            groups = [_required_names(self.deref(b)) for b in neg["anyOf"]]
+        elif keys == {"allOf"} and isinstance(neg["allOf"], list):
+            parts = [_required_names(self.deref(b)) for b in neg["allOf"]]
+            groups = [sum(parts, [])] if all(p is not None for p in parts) else None
+        else:
+            groups = [_required_names(neg)]
+        if groups and all(groups):
+            required = set(s.get("required") or [])
+            absent = [next((n for n in g if n not in required), None) for g in groups]
+            if None not in absent:
+                s.pop("not")
+                for name in absent:
+                    s.setdefault("properties", {})[name] = False
+            return
+        if keys == {"type"}:
+            banned = {neg["type"]} if isinstance(neg["type"], str) else set(neg["type"])
+            if "number" in banned:
+                banned.add("integer")
+            allowed = self.types(s) - banned - ({"number"} if "integer" in banned else set())
+            if allowed:
+                s.pop("not")
+                s["type"] = sorted(allowed) if len(allowed) > 1 else allowed.pop()
+        elif keys in ({"enum"}, {"const"}):
+            banned = neg["enum"] if "enum" in keys else [neg["const"]]
+            if not isinstance(banned, list):
+                return
+            kept = self.pinned(s)
+            if kept is not None:
+                s.pop("not")
+                values = [v for v in map(json.loads, sorted(kept)) if v not in banned]
+                s.pop("const", None)
+                s["enum"] = values
+            elif self.types(s) <= {"integer", "number"} and all(_is_number(v) for v in banned):
+                top = max(banned)
+                if s.get("maximum", top + 1) > top and s.get("exclusiveMaximum", top + 2) > top + 1:
+                    s.pop("not")
+                    if s.get("minimum", top) <= top:
+                        s["exclusiveMinimum"] = max(top, s.get("exclusiveMinimum", top))
+            elif self.types(s) == {"string"} and all(isinstance(v, str) for v in banned):
+                s.pop("not")
+                s["minLength"] = max(s.get("minLength", 0), max(len(v) for v in banned) + 1)
+
+    def decided(self, cond: Any, s: dict) -> bool | None:
+        """Whether `cond` holds for every instance of `s` (True), for none (False), or either (None),
+        judged on the properties both pin to values (a discriminator: `{"properties": {"kind":
+        {"const": "a"}}}`)."""
+        if not isinstance(cond, dict) or set(cond) - _ANNOTATIONS - {"properties", "required"}:
+            return None
+        required = set(s.get("required") or [])
+        holds = True
+        for name in cond.get("required") or []:
+            if name not in required:
+                holds = False if (s.get("properties") or {}).get(name) is False else None
+        for name, sub in (cond.get("properties") or {}).items():
+            want = self.pinned(sub)
+            have = self.pinned((s.get("properties") or {}).get(name))
+            if want is None or have is None:
+                return None if holds is not False else False
+            if not want & have and name in required:
+                return False
+            if not have <= want:
+                holds = None
+        return holds
+
+    def if_then_else(self, s: dict, ptr: str | None, context: dict | None = None) -> None:
+        """Decided by what the schema (or `context`, the parent an allOf part merges into) pins already,
+        or split on a pinned property's values: exact. Else, with narrowing, the `if` taken to hold,
+        with the names it pins present (so that a later `if` on the same name is decided)."""
+        if "if" not in s:
+            if "then" in s or "else" in s:  # without `if` they have no effect
+                s.pop("then", None)
+                s.pop("else", None)
+            return
+        context = context if context is not None else s
+        cond, then, other = s["if"], s.get("then", True), s.get("else", True)
+        holds = self.decided(cond, context)
+        split = self.split_on_values(cond, then, other, context) if holds is None else None
+        if holds is None and (split is None or s.get("anyOf")):
+            if not self.narrow:
+                return  # refused by name
+            self.note(ptr, "if/then/else as its `if` holding")
+            if isinstance(cond, dict):
+                pins = [n for n, sub in (cond.get("properties") or {}).items() if self.pinned(sub) is not None]
+                cond = {**cond, "required": list(dict.fromkeys((cond.get("required") or []) + pins))}
+        for key in ("if", "then", "else"):
+            s.pop(key, None)
+        if holds is None and split is not None and not s.get("anyOf"):
+            s["anyOf"] = split
+        else:
+            s.setdefault("allOf", []).extend([other] if holds is False else [then] if holds else [cond, then])
+
+    def split_on_values(self, cond: Any, then: Any, other: Any, s: dict) -> list | None:
+        """An `if` on one required property that the schema pins to finitely many values, as an anyOf
+        of the values it admits (with `then`) and the others (with `else`): exact."""
+        if not isinstance(cond, dict) or set(cond) - _ANNOTATIONS - {"properties", "required"}:
+            return None
+        props = cond.get("properties") or {}
+        if len(props) != 1:
+            return None
+        (name, sub), = props.items()
+        want, have = self.pinned(sub), self.pinned((s.get("properties") or {}).get(name))
+        if want is None or have is None or name not in (s.get("required") or []) \
+                or not set(cond.get("required") or []) <= {name}:
+            return None
+        inside, outside = sorted(have & want), sorted(have - want)
+        if not inside or not outside:
+            return None
+        return [{"allOf": [{"properties": {name: {"enum": [json.loads(v) for v in values]}}}, branch]}
+                for values, branch in ((inside, then), (outside, other))]
+
+    def pinned(self, sub: Any) -> set[str] | None:
+        """The values a subschema allows (as JSON text), where it pins them (const, enum, or an allOf
+        with such parts)."""
+        sub = self.deref(sub)
+        if isinstance(sub, dict) and isinstance(sub.get("allOf"), list):
+            sets = [v for v in (self.pinned(p) for p in sub["allOf"]) if v is not None]
+            return set.intersection(*sets) if sets else None
+        return _values(sub)
+
+    def closed_object(self, branch: Any) -> Any:
+        """An object branch of a oneOf narrowed so that branches become disjoint: no other properties
+        than it names, at least one of them present, its own narrowings applied (`not` of a name)."""
+        b = self.deref(branch)
+        if not isinstance(b, dict) or self.types(b) != {"object"} or any(
+                k in b for k in ("patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref")):
+            return branch
+        b = copy.deepcopy(b)
+        b["type"] = "object"
+        self.narrow_keywords(b, None)
+        if "allOf" in b:
+            return branch
+        if "additionalProperties" not in b:
+            for name in b.get("required") or []:
+                b.setdefault("properties", {}).setdefault(name, {})
+            b["additionalProperties"] = False
+        named = [n for n, sub in (b.get("properties") or {}).items() if sub is not False]
+        if b["additionalProperties"] is False and not b.get("required") and named:
+            b["required"] = [named[0]]  # else `{}` would match every such branch
+        return b
+
     def merge_all_of(self, s: dict, ptr: str) -> None:
+        """Merge `allOf` parts into their parent, keyword by keyword, where the conjunction has a form
+        the backends take (exact): bounds tighten, types and enums intersect, required names unite, a
+        property both constrain gets both (as its own allOf), and `additionalProperties` keeps applying
+        to the names its own part did not list."""
         parts = s.pop("allOf")
         if not isinstance(parts, list):
             self.bad(f"{ptr}/allOf", "'allOf' that is not a list")
             return
-        for i, part in enumerate(parts):
+        queue = [(f"{ptr}/allOf/{i}", part) for i, part in enumerate(parts)]
+        while queue:
+            where, part = queue.pop(0)
             if part is True:
                 continue
             if not isinstance(part, dict):
-                self.bad(f"{ptr}/allOf/{i}", "'allOf' with a false part")
+                self.bad(where, "'allOf' with a false part")
                 continue
             if "$ref" in part and len([k for k in part if k not in _ANNOTATIONS]) == 1:
-                target = self.resolve(part["$ref"], f"{ptr}/allOf/{i}")
+                target = self.resolve(part["$ref"], where)
                 if not isinstance(target, dict) or "$ref" in target:
-                    self.bad(f"{ptr}/allOf/{i}", "'allOf' of a reference that cannot be merged")
+                    self.bad(where, "'allOf' of a reference that cannot be merged")
                     continue
-                part = copy.deepcopy(target)
-            clash = [k for k in part if k in _ASSERTING and k in s and s[k] != part[k]]
-            if clash:
-                self.bad(f"{ptr}/allOf/{i}", f"'allOf' whose parts both constrain {clash}")
+                part = target
+            part = copy.deepcopy(part)
+            self.infer_type(part, where)
+            self.if_then_else(part, where, context=s)
+            if self.narrow:
+                self.narrow_keywords(part, where)
+            # a part's own parts next, before the following parts (a narrowed `if` is merged before the next is judged)
+            queue[0:0] = [(f"{where}/allOf/{i}", sub) for i, sub in enumerate(part.pop("allOf", None) or [])]
+            self.merge_part(s, part, where)
+
+    def merge_part(self, s: dict, part: dict, where: str) -> None:
+        for closer, other in ((s, part), (part, s)):  # names one part did not list meet its additionalProperties
+            extra = closer.get("additionalProperties", True)
+            if extra is True:
                 continue
-            s.update({k: v for k, v in part.items() if k in _ASSERTING})
+            for name in list(other.get("properties") or {}):
+                if name in (closer.get("properties") or {}):
+                    continue
+                if closer.get("patternProperties"):
+                    self.bad(where, f"'allOf' whose parts list different properties beside patternProperties")
+                    return
+                closer.setdefault("properties", {})[name] = copy.deepcopy(extra)
+        for key, value in part.items():
+            if key not in _ASSERTING:
+                continue
+            if key not in s or s[key] == value:
+                s[key] = value
+                continue
+            merged = _merge_keyword(key, s[key], value)
+            if merged is _CLASH:
+                self.bad(where, f"'allOf' whose parts both constrain {key!r}")
+            else:
+                s[key] = merged
 
     # ---- oneOf disjointness -----------------------------------------------------------------
-    def deref(self, s: Any) -> Any:
+    # Disjointness is judged between a branch as it will be enforced (rewritten, maybe narrowed: root
+    # None) and the others as sent (root self.original): a narrowed branch must still exclude the
+    # others' every instance, not only their narrowed ones.
+    def deref(self, s: Any, root: Any = None) -> Any:
         for _ in range(16):
             if isinstance(s, dict) and isinstance(s.get("$ref"), str) and s["$ref"].startswith("#"):
-                nxt = self.resolve(s["$ref"], "#")
+                nxt = self.resolve(s["$ref"], "#", root)
                 if nxt is None:
                     return s
                 s = nxt
@@ -280,8 +604,8 @@ class _Walker:
                 break
         return s
 
-    def types(self, s: Any) -> set[str]:
-        s = self.deref(s)
+    def types(self, s: Any, root: Any = None) -> set[str]:
+        s = self.deref(s, root)
         if not isinstance(s, dict):
             return set(_JSON_TYPES) if s is not False else set()
         if "const" in s:
@@ -294,41 +618,178 @@ class _Walker:
         elif isinstance(t, list):
             out = set(t)
         elif "anyOf" in s or "oneOf" in s:
-            out = set().union(*(self.types(b) for b in (s.get("anyOf") or s.get("oneOf") or [])))
+            out = set().union(*(self.types(b, root) for b in (s.get("anyOf") or s.get("oneOf") or [])))
         else:
             out = set(_JSON_TYPES)
         if "integer" in out or "number" in out:  # 1 is both an integer and a number
             out |= {"integer", "number"}
         return out
 
-    def disjoint(self, branches: list) -> bool:
-        resolved = [self.deref(b) for b in branches]
-        for i in range(len(resolved)):
-            for j in range(i + 1, len(resolved)):
-                if not self.pair_disjoint(resolved[i], resolved[j]):
-                    return False
-        return True
+    def disjoint(self, branches: list, sent: list, root: Any) -> bool:
+        """No instance is in two branches: each branch as enforced against every other as sent (`sent`,
+        resolved in `root`)."""
+        return all(self.pair_disjoint(branches[i], sent[j], rb=root)
+                   for i in range(len(branches)) for j in range(len(branches)) if i != j)
 
-    def pair_disjoint(self, a: Any, b: Any) -> bool:
+    def pair_disjoint(self, a: Any, b: Any, depth: int = 0, ra: Any = None, rb: Any = None) -> bool:
+        """No instance is valid for both (a resolved in `ra`, b in `rb`: None the rewritten schema)."""
+        a, b = self.deref(a, ra), self.deref(b, rb)
         if a is False or b is False:
             return True
-        if not self.types(a) & self.types(b):
+        if not self.types(a, ra) & self.types(b, rb):
             return True
         if not (isinstance(a, dict) and isinstance(b, dict)):
             return False
-        if "const" in a and "const" in b and a["const"] != b["const"]:
-            return True
-        for x, y in ((a, b), (b, a)):
+        for x, y in ((a, b), (b, a)):  # the values one pins, each checked against the other
+            values = _values(x)
+            if values is not None and not any(self.admits(y, json.loads(v)) for v in values):
+                return True
+        if depth >= 4:  # recursive schemas: stop looking
+            return False
+        for x, rx, y, ry in ((a, ra, b, rb), (b, rb, a, ra)):
             for key in x.get("required") or []:
-                xp = self.deref((x.get("properties") or {}).get(key))
-                yp = self.deref((y.get("properties") or {}).get(key))
-                if key in (y.get("required") or []) and _values(xp) is not None and _values(yp) is not None:
-                    if not _values(xp) & _values(yp):
-                        return True
-                if (y.get("additionalProperties") is False and key not in (y.get("properties") or {})
-                        and not y.get("patternProperties")):
+                xp, yp = (x.get("properties") or {}).get(key), (y.get("properties") or {}).get(key)
+                # x has the name, and where y's instance has it, y gives it values x's cannot take
+                if xp is not None and yp is not None and self.pair_disjoint(xp, yp, depth + 1, rx, ry):
                     return True
+                if (y.get("additionalProperties") is False and key not in (y.get("properties") or {})
+                        and not y.get("patternProperties")) or (y.get("properties") or {}).get(key) is False:
+                    return True
+        if self.types(a, ra) == self.types(b, rb) == {"array"} \
+                and min(a.get("minItems", 0), b.get("minItems", 0)) >= 1 \
+                and isinstance(a.get("items"), dict) and isinstance(b.get("items"), dict) \
+                and not a.get("prefixItems") and not b.get("prefixItems"):
+            return self.pair_disjoint(a["items"], b["items"], depth + 1, ra, rb)  # their first items differ
         return False
+
+    def admits(self, sub: Any, value: Any) -> bool:
+        """Whether jsonschema finds `value` valid for `sub` (references resolved in the schema as sent:
+        the walk rewrites the one it is given). True when it cannot tell."""
+        import jsonschema
+
+        root = self.original if isinstance(self.original, dict) else {}
+        probe = {k: v for k, v in root.items() if k in ("definitions", "$defs")}
+        probe["allOf"] = [sub]
+        cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
+        try:
+            return cls(probe, format_checker=cls.FORMAT_CHECKER).is_valid(value)
+        except Exception:  # noqa: BLE001 - an unresolvable reference, a bad pattern: assume it admits
+            return True
+
+    def discriminated(self, branches: list) -> list | None:
+        """Object branches that pin one property to values no other branch allows, each narrowed to
+        require it (absent, it would leave every branch open). None where no property does."""
+        resolved = [self.deref(b) for b in branches]
+        if not all(isinstance(b, dict) and "object" in self.types(b) for b in resolved):
+            return None
+        for name in (resolved[0].get("properties") or {}):
+            pins = [self.pinned((b.get("properties") or {}).get(name)) for b in resolved]
+            if any(p is None for p in pins) or sum(len(p) for p in pins) != len(set().union(*pins)):
+                continue
+            out = []
+            for b in resolved:
+                b = copy.deepcopy(b)
+                b["type"] = "object"
+                b["required"] = list(dict.fromkeys((b.get("required") or []) + [name]))
+                out.append(b)
+            return out
+        return None
+
+    def exclusive(self, branches: list, parent: dict) -> list | None:
+        """Object branches narrowed to exclude one another: each forbids the names the others require
+        and it does not (so the one an instance matches is decided by which names it has). None where
+        two branches require the same names, or a forbidden name is one the parent requires."""
+        resolved = [self.deref(b) for b in branches]
+        if not all(isinstance(b, dict) and "object" in self.types(b) for b in resolved):
+            return None
+        needs = [set(b.get("required") or []) for b in resolved]
+        if len({frozenset(n) for n in needs}) < len(needs):
+            return None
+        out = []
+        for i, b in enumerate(resolved):
+            forbid = set().union(*(needs[j] - needs[i] for j in range(len(needs)) if j != i))
+            if forbid & set(parent.get("required") or []):
+                return None
+            b = copy.deepcopy(b)
+            b["type"] = "object"
+            for name in sorted(forbid):
+                b.setdefault("properties", {})[name] = False
+            out.append(b)
+        return out
+
+
+_CLASH = object()
+_LOWER = {"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains"}
+_UPPER = {"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains"}
+_SUBSCHEMA = {"items", "additionalProperties", "propertyNames", "contains", "unevaluatedProperties"}
+
+
+def _both(a: Any, b: Any) -> Any:
+    """A subschema that holds where both do."""
+    if a is True or a == {}:
+        return b
+    if b is True or b == {}:
+        return a
+    if a is False or b is False:
+        return False
+    return {"allOf": [a, b]}
+
+
+def _merge_keyword(key: str, a: Any, b: Any) -> Any:
+    """One keyword of two allOf parts as one keyword, or _CLASH where no single keyword says both."""
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+    if key in _LOWER and numbers:
+        return max(a, b)
+    if key in _UPPER and numbers:
+        return min(a, b)
+    if key == "required" and isinstance(a, list) and isinstance(b, list):
+        return list(dict.fromkeys(a + b))
+    if key in ("properties", "patternProperties") and isinstance(a, dict) and isinstance(b, dict):
+        return {**a, **b, **{k: _both(a[k], b[k]) for k in a.keys() & b.keys()}}
+    if key in _SUBSCHEMA:
+        return _both(a, b)
+    if key == "type":
+        ta, tb = ({t} if isinstance(t, str) else set(t) for t in (a, b))
+        both = (ta & tb) | ({"integer"} if ("integer" in ta and "number" in tb) or ("number" in ta and "integer" in tb)
+                            else set())
+        if not both:
+            return _CLASH
+        return both.pop() if len(both) == 1 else sorted(both)
+    if key == "enum" and isinstance(a, list) and isinstance(b, list):
+        keep = [v for v in a if any(json.dumps(v, sort_keys=True) == json.dumps(w, sort_keys=True) for w in b)]
+        return keep or _CLASH
+    return _CLASH
+
+
+def _lookup(root: Any, pointer: str) -> Any:
+    """The node a local JSON pointer ('#/a/0') names in `root`, or None."""
+    if not pointer.startswith("#"):
+        return None
+    node = root
+    for part in [p for p in pointer[1:].split("/") if p]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _required_names(s: Any) -> list[str] | None:
+    """The names an object schema of only `required` (and properties, type object) requires."""
+    if not isinstance(s, dict):
+        return None
+    keys = set(s) - _ANNOTATIONS
+    if "required" not in keys or not keys <= {"required", "properties", "type"} or s.get("type", "object") not in (
+            "object", ["object"]) or not isinstance(s["required"], list):
+        return None
+    return list(s["required"]) or None
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _values(s: Any) -> set[str] | None:

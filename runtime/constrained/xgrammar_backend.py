@@ -83,7 +83,7 @@ class XGrammarBackend(GrammarBackend):
     def compile(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> _Compiled:
         try:
             if kind == "json_schema":
-                schema = prepare_schema(text, self.name)
+                schema = prepare_schema(text, self.name, style.narrow)
                 flexible = style.whitespace == "flexible"
                 g = self._compiler.compile_json_schema(
                     json.dumps(schema), any_whitespace=flexible, max_whitespace_cnt=MAX_WHITESPACE if flexible else None,

@@ -73,6 +73,7 @@ class TokenOut(msgspec.Struct):
     num_retractions: int = 0  # times the request was sent back to the queue to free KV
     decode: DecodeSpec | None = None  # on the request's first output
     grammar_backend: str | None = None  # the backend that compiled the request's grammar, if it has one
+    grammar_narrowed: list[str] = []  # how its JSON schema was narrowed (on the request's first output)
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):

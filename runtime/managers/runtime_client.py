@@ -5,7 +5,8 @@ detokenizer's outputs per request. Runs on an asyncio loop; the HTTP server and 
 Results have the shape of SGLang's /generate response:
     {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
      "completion_tokens", "cached_tokens", "reasoning_tokens", "num_retractions",
-     "weight_version", "e2e_latency", ["grammar_backend"], [logprobs..., "output_token_logprobs_length"]}}
+     "weight_version", "e2e_latency", ["grammar_backend"], ["grammar_narrowed"],
+     [logprobs..., "output_token_logprobs_length"]}}
 
 Streamed snapshots carry SGLang's split: output logprobs are the snapshot's own (its new
 tokens), everything else (counts, input logprobs, output_token_logprobs_length) is cumulative.
@@ -149,6 +150,7 @@ class ReqState:
         self.last_token_at: float | None = None
         self.queue_time: float | None = None
         self.grammar_backend: str | None = None
+        self.grammar_narrowed: list[str] = []
         self.changed = asyncio.Event()
 
     def apply(self, so: StrOut) -> None:
@@ -165,6 +167,7 @@ class ReqState:
         if o.queue_time is not None:
             self.queue_time = o.queue_time
         self.grammar_backend = o.grammar_backend or self.grammar_backend
+        self.grammar_narrowed = o.grammar_narrowed or self.grammar_narrowed
         if o.finish is not None:
             self.finish = o.finish
         self.changed.set()
@@ -333,6 +336,8 @@ class RuntimeClient:
         }
         if st.grammar_backend is not None:
             meta["grammar_backend"] = st.grammar_backend
+        if st.grammar_narrowed:
+            meta["grammar_narrowed"] = st.grammar_narrowed
         if st.msg.return_logprob:
             def part(key: str, items: list) -> list:
                 if not delta_logprobs or key.startswith("in_"):  # input logprobs are cumulative, as in SGLang

@@ -25,6 +25,7 @@ from plait.runtime.constrained.bitmask import allocate_bitmask, apply_token_bitm
 from plait.runtime.constrained.closing import CLOSE_WINDOW, ClosingMatcher, CloseVocab, plan_close
 from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
 from plait.runtime.constrained.jump_forward import accepted_prefix, plan_draft
+from plait.runtime.constrained.schema_policy import rewrite_schema
 from plait.runtime.managers.io_struct import FinishReason
 from plait.runtime.sampling import SampleRow, sample
 from plait.runtime.scheduler.req import Req
@@ -78,7 +79,8 @@ class GrammarManager:
         if self.cache is None:
             raise ValueError(f"sampling_params.{kind} needs a grammar backend (the server runs with --grammar-backend none)")
         p = req.params
-        style = JsonStyle(p.json_whitespace or self.args.json_whitespace, p.json_key_order or self.args.json_key_order)
+        style = JsonStyle(p.json_whitespace or self.args.json_whitespace, p.json_key_order or self.args.json_key_order,
+                          not self.args.disable_json_narrowing)
         req.grammar_compile = self.cache.get(kind, text, style)
         self.compiling.append(req)
 
@@ -95,6 +97,7 @@ class GrammarManager:
                     compiled = fut.result()
                     req.grammar = compiled.matcher()
                     req.grammar_backend = compiled.backend
+                    req.grammar_narrowed = self._narrowings(req, compiled.backend)
                 else:
                     msg = str(err) if isinstance(err, GrammarError) else f"grammar compile failed: {err!r}"
                     req.finish = FinishReason("abort", message=msg, status=400)
@@ -104,6 +107,17 @@ class GrammarManager:
             req.grammar_compile = None
             out.append(req)
         return out
+
+    def _narrowings(self, req: Req, backend: str) -> list[str]:
+        """How the request's JSON schema was narrowed for `backend` (the compile worker does not say; the
+        rewrite is quick and the same here)."""
+        kind, text = req.params.grammar
+        if kind != "json_schema" or self.args.disable_json_narrowing:
+            return []
+        try:
+            return rewrite_schema(text, backend)[1]
+        except GrammarError:
+            return []
 
     def wait(self, timeout: float = 0.005) -> None:
         wait_futures([r.grammar_compile.future for r in self.compiling], timeout=timeout, return_when="FIRST_COMPLETED")

@@ -35,6 +35,7 @@ class Req:
         self.grammar = None  # Matcher once compiled (constrained requests)
         self.grammar_compile = None  # its constrained/base.Compile while the grammar compiles
         self.grammar_backend: str | None = None  # the backend that compiled it (auto picks per request)
+        self.grammar_narrowed: list[str] = []  # how its JSON schema was narrowed (schema_policy.py)
         self.close_need: int | None = None  # tokens the grammar's last planned completion takes (closing.py)
         self.draft: list[int] = []  # jump-forward tokens at the end of output_ids, not yet verified
         self.row: int | None = None

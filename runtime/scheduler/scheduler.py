@@ -398,6 +398,7 @@ class Scheduler:
             queue_time=None if req.queue_time_sent else req.queue_time,
             num_retractions=req.num_retractions,
             grammar_backend=req.grammar_backend,
+            grammar_narrowed=[] if req.decode_sent else req.grammar_narrowed,
             decode=None if req.decode_sent else DecodeSpec(p.stop, p.skip_special_tokens, p.no_stop_trim,
                                                            p.spaces_between_special_tokens),
         )
