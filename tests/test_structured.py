@@ -104,6 +104,20 @@ NARROWED = {
     "propertyNames": {"type": "object", "properties": {"x1": {"type": "integer"}, "zz": {"type": "integer"}},
                       "propertyNames": {"pattern": "^x[0-9]$"}, "additionalProperties": {"type": "boolean"},
                       "maxProperties": 3},
+    "allOf of nots": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                      "allOf": [{"not": {"required": ["a"]}}, {"not": {"required": ["b"]}}]},
+    "oneOf with a branch left out": {  # {radius, height} matches the second branch and the third
+        "type": "object", "properties": {"length": {"type": "integer"}, "radius": {"type": "integer"},
+                                         "height": {"type": "integer"}},
+        "oneOf": [{"required": ["length"]}, {"required": ["radius"]}, {"required": ["radius", "height"]}]},
+    "oneOf from an allOf part": {"allOf": [
+        {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+         "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+        {"properties": {"c": {"type": "boolean"}}, "required": ["c"]}]},
+    "propertyNames beside patternProperties": {
+        "type": "object", "propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties": 2,
+        "patternProperties": {".*": {"type": "object", "properties": {"to": {"type": "string", "maxLength": 6}},
+                                     "required": ["to"], "additionalProperties": False}}},
     "format regex": {"type": "object", "properties": {"re": {"type": "string", "format": "regex"},
                                                       "iri": {"type": "string", "format": "iri"}},
                      "required": ["re", "iri"]},
@@ -114,6 +128,10 @@ REWRITTEN = {
     "allOf with additionalProperties": {"allOf": [
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
         {"type": "object", "properties": {"a": {"maximum": 5}, "b": {"type": "boolean"}}, "additionalProperties": False}]},
+    "allOf of anyOfs": {"allOf": [{"anyOf": [{"type": "integer", "maximum": 3}, {"type": "string", "maxLength": 2}]},
+                                  {"anyOf": [{"type": "integer", "minimum": 1}, {"const": "ab"}]}]},
+    "oneOf of one": {"oneOf": [{"type": "integer", "minimum": 5}]},
+    "keywords of two types": {"minLength": 2, "maxLength": 3, "minimum": 10},
     "if/then/else on a pinned property": {
         "type": "object", "properties": {"kind": {"enum": ["cat", "dog", "owl"]}, "meows": {"type": "boolean"}},
         "required": ["kind"], "additionalProperties": False,
@@ -168,7 +186,7 @@ def test_narrowings_admit_only_valid_documents(backends, tokenizer):
             except GrammarError:
                 continue
             compiled += 1
-            for doc in _random_documents(g, vocab, tokenizer, 16):
+            for doc in _random_documents(g, vocab, tokenizer, 8):
                 errors = [e.message for e in check.iter_errors(json.loads(doc))]
                 assert not errors, (what, name, doc, errors)
         assert compiled, what

@@ -127,6 +127,7 @@ class _Walker:
         self.root = root
         self.original = copy.deepcopy(root)  # the walk rewrites root in place
         self.narrowed: list[str] = []  # each narrowing, said where
+        self.origins: dict[int, str] = {}  # id(schema) -> where its oneOf came from (a merged allOf part)
         self.backend = backend
         self.narrow = narrow
         self.supported = _SUPPORTED[backend]
@@ -193,12 +194,19 @@ class _Walker:
             s["items"] = s.pop("additionalItems", True)
         elif "additionalItems" in s:
             s.pop("additionalItems")  # without tuple items it has no effect
+        for key in _COUNTS:  # 2.0 is a count too (llguidance wants an integer)
+            if isinstance(s.get(key), float) and s[key].is_integer():
+                s[key] = int(s[key])
         self.infer_type(s, ptr)
         self.exact_format(s, ptr)
         if s.get("uniqueItems") is False or (s.get("uniqueItems") and s.get("maxItems", 2) <= 1):
             s.pop("uniqueItems")
         if "minProperties" in s and s["minProperties"] <= len(set(s.get("required") or [])):
             s.pop("minProperties")  # implied by required
+        listed = [n for n, sub in (s.get("properties") or {}).items() if sub is not False]
+        if s.get("additionalProperties") is False and not s.get("patternProperties") \
+                and s.get("maxProperties", len(listed)) >= len(listed):
+            s.pop("maxProperties", None)  # cannot be exceeded
         self.if_then_else(s, ptr)
         if "allOf" in s:
             self.merge_all_of(s, ptr)
@@ -215,22 +223,37 @@ class _Walker:
                 s["additionalProperties"] = True
 
     def one_of(self, s: dict, ptr: str) -> None:
-        """`oneOf` as `anyOf` where no instance can be in two branches; with narrowing, where branches
-        narrowed to exclude one another (closed, told apart by required names or a discriminator) do."""
+        """`oneOf` as `anyOf` where no instance can be in two branches. With narrowing, the branches
+        narrowed to exclude one another (closed, told apart by required names or a discriminator), and
+        those that still overlap another dropped: each kept branch excludes every other as sent."""
         branches = s.pop("oneOf")
         if not isinstance(branches, list):
             self.bad(f"{ptr}/oneOf", "'oneOf' that is not a list")
             return
-        sent, root = self.sent_branches(ptr, branches)
+        if len(branches) == 1:  # exactly one of one
+            s.setdefault("allOf", []).append(branches[0]) if s.get("anyOf") else s.__setitem__("anyOf", branches)
+            return
+        sent, root = self.sent_branches(s, ptr, branches)
         chosen = None
         if sent is not None:
-            chosen = branches if self.disjoint(branches, sent, root) else None
-            for narrowed in ([self.closed_object(b) for b in branches], self.exclusive(branches, s),
-                             self.discriminated(branches)) if chosen is None and self.narrow else ():
-                if narrowed is not None and self.disjoint(narrowed, sent, root):
-                    chosen = narrowed
-                    self.narrowed.append(f"oneOf at {ptr}: its branches narrowed to exclude one another")
+            candidates = [branches]
+            if self.narrow:
+                candidates += [n for n in (
+                    [self.closed_object(b) for b in branches], self.exclusive(branches, s),
+                    self.discriminated(branches)) if n is not None]
+            best = []
+            for candidate in candidates:
+                kept = self.exclusive_of_others(candidate, sent, root)
+                if len(kept) == len(branches) or (self.narrow and len(kept) > len(best)):
+                    best = kept
+                if len(best) == len(branches):
                     break
+            if best:
+                chosen = [b for _, b in best]
+                if len(best) < len(branches) or any(b is not branches[i] for i, b in best):
+                    self.narrowed.append(f"oneOf at {ptr}: its branches narrowed to exclude one another"
+                                         + (f", {len(branches) - len(best)} of {len(branches)} left out"
+                                            if len(best) < len(branches) else ""))
         if chosen is None:
             self.bad(f"{ptr}/oneOf", "'oneOf' whose branches may overlap (exactly-one cannot be enforced)")
         elif s.get("anyOf"):
@@ -238,14 +261,20 @@ class _Walker:
         else:
             s["anyOf"] = chosen
 
-    def sent_branches(self, ptr: str, branches: list) -> tuple[list | None, Any]:
+    def exclusive_of_others(self, candidate: list, sent: list, root: Any) -> list[tuple[int, Any]]:
+        """(index, branch) of the candidate branches that admit nothing another branch as sent admits."""
+        return [(i, b) for i, b in enumerate(candidate)
+                if all(self.pair_disjoint(b, sent[j], rb=root) for j in range(len(sent)) if j != i)]
+
+    def sent_branches(self, s: dict, ptr: str, branches: list) -> tuple[list | None, Any]:
         """This oneOf's branches as sent, and the schema to resolve them in: the walk rewrites in place,
         and a definition it has narrowed elsewhere no longer says what the sender's branch admits.
         (None, None) where they cannot be found as sent."""
-        node = _lookup(self.original, ptr)
-        found = node.get("oneOf") if isinstance(node, dict) else None
-        if isinstance(found, list) and len(found) == len(branches):
-            return found, self.original
+        for where in (ptr, self.origins.get(id(s))):  # here, or the allOf part it was merged from
+            node = _lookup(self.original, where) if where else None
+            found = node.get("oneOf") if isinstance(node, dict) else None
+            if isinstance(found, list) and len(found) == len(branches):
+                return found, self.original
         return (None, None) if self.narrowed else (branches, None)  # nothing narrowed yet: as sent
 
     def exact_format(self, s: dict, ptr: str) -> None:
@@ -302,13 +331,18 @@ class _Walker:
 
     def infer_type(self, s: dict, ptr: str) -> None:
         """Type keywords apply only to their type: `{"minLength": 2}` also admits 5. Backends
-        ignore them without a `type`, so one family pins the type (narrower, still valid output)
-        and several at once are refused."""
+        ignore them without a `type`, so one family pins the type (narrower, still valid output),
+        and several become an anyOf of one branch per type (exact)."""
         if "type" in s or "const" in s or "enum" in s or "$ref" in s:
             return
         families = {t for t, keys in _FAMILIES.items() if any(k in s for k in keys)}
         if len(families) == 1:
             s["type"] = families.pop()
+        elif len(families) > 1 and "anyOf" not in s:
+            # each family's keywords bind its own type only: one branch per type (exact)
+            branches = [{"type": t, **{k: s.pop(k) for k in _FAMILIES[t] if k in s}} for t in sorted(families)]
+            rest = sorted({"object", "array", "string", "number", "boolean", "null"} - families)
+            s["anyOf"] = branches + ([{"type": rest}] if rest else [])
         elif len(families) > 1:
             self.bad(ptr, f"keywords of several types ({', '.join(sorted(families))}) without 'type'")
 
@@ -349,40 +383,77 @@ class _Walker:
             self.narrow_not(s)
             if "not" not in s:
                 self.note(ptr, "not as what it leaves (names absent, other types or values)")
+        if ("minProperties" in s or "maxProperties" in s) and self.backend == "llguidance":
+            self.narrow_counts(s, ptr)
         if "propertyNames" in s and "propertyNames" not in self.supported:
             self.names_as_properties(s)
             if "propertyNames" not in s:
                 self.note(ptr, "propertyNames as the properties it admits")
 
     def names_as_properties(self, s: dict) -> None:
-        """`propertyNames` of an enum or a pattern (or lengths) as the properties or the patternProperties
-        it admits, no others: listed names it refuses become absent, and its own names meet
-        additionalProperties (a listed name it admits meets it too: narrower)."""
+        """`propertyNames` of an enum, a pattern, lengths or a narrowed format as the properties or
+        patternProperties it admits, no others: listed names it refuses become absent, and its own names
+        meet additionalProperties (a listed name it admits meets it too: narrower). Beside
+        patternProperties, only where the pattern is theirs or theirs matches every name."""
         names = self.deref(s["propertyNames"])
-        if names is True or s.get("patternProperties") or not isinstance(names, dict):
+        if not isinstance(names, dict):
             return
         keys = set(names) - _ANNOTATIONS - {"type"}
+        if not keys and names.get("type", "string") in ("string", ["string"]):  # names are strings
+            s.pop("propertyNames")
+            return
         extra = s.get("additionalProperties", True)
         props = s.setdefault("properties", {})
-        if keys == {"enum"} and all(isinstance(n, str) for n in names["enum"]):
+        patterns = s.get("patternProperties") or {}
+        if keys == {"enum"} and all(isinstance(n, str) for n in names["enum"]) and not patterns:
             for name in list(props):
                 if name not in names["enum"]:
                     props[name] = False
             for name in names["enum"]:
                 props.setdefault(name, copy.deepcopy(extra))
-        elif keys and keys <= {"pattern", "minLength", "maxLength"}:
-            lengths = f"^[\\s\\S]{{{names.get('minLength', 0)},{names.get('maxLength', '')}}}$"
-            pattern = names.get("pattern") if keys == {"pattern"} else lengths if "pattern" not in keys else None
-            if pattern is None:
+        else:
+            if keys == {"pattern"}:
+                pattern = names["pattern"]
+            elif keys and keys <= {"minLength", "maxLength"}:
+                pattern = f"^[\\s\\S]{{{names.get('minLength', 0)},{names.get('maxLength', '')}}}$"
+            elif keys == {"format"} and names["format"] in NARROWER:
+                pattern = f"^{NARROWER[names['format']]}$"
+            else:
+                return
+            if not patterns:
+                schema = copy.deepcopy(extra)
+            elif list(patterns) == [pattern]:
+                schema = patterns[pattern]
+            elif len(patterns) == 1 and next(iter(patterns)) in ("", ".*", "^.*$"):
+                schema = next(iter(patterns.values()))  # it matches every name: its schema is every name's
+            else:
                 return
             for name in list(props):
                 if not re.search(pattern, name):
                     props[name] = False
-            s["patternProperties"] = {pattern: copy.deepcopy(extra)}
-        else:
-            return
+            s["patternProperties"] = {pattern: schema}
         s.pop("propertyNames")
         s["additionalProperties"] = False
+
+    def narrow_counts(self, s: dict, ptr: str | None) -> None:
+        """min/maxProperties where llguidance takes them only with every listed property required: no
+        other properties, and the listed ones required up to minProperties and kept to maxProperties."""
+        if s.get("patternProperties") or not isinstance(s.get("properties"), dict):
+            return
+        required = list(dict.fromkeys(s.get("required") or []))
+        optional = [n for n, sub in s["properties"].items() if sub is not False and n not in required]
+        low, high = s.get("minProperties", 0), s.get("maxProperties", len(required) + len(optional))
+        if not (isinstance(low, int) and isinstance(high, int)) or len(required) > high \
+                or len(required) + len(optional) < low:
+            return
+        keep = max(low, min(high, len(required) + len(optional))) - len(required)
+        s["required"] = required + optional[:keep]
+        for name in optional[keep:]:
+            s["properties"][name] = False
+        s["additionalProperties"] = False
+        s.pop("minProperties", None)
+        s.pop("maxProperties", None)
+        self.note(ptr, "minProperties/maxProperties as the listed properties, required")
 
     def narrow_not(self, s: dict) -> None:
         """`not` of required names (alone, in allOf or anyOf): a name of each group absent; of types:
@@ -555,7 +626,7 @@ class _Walker:
                 if not isinstance(target, dict) or "$ref" in target:
                     self.bad(where, "'allOf' of a reference that cannot be merged")
                     continue
-                part = target
+                part, where = target, part["$ref"]
             part = copy.deepcopy(part)
             self.infer_type(part, where)
             self.if_then_else(part, where, context=s)
@@ -563,6 +634,8 @@ class _Walker:
                 self.narrow_keywords(part, where)
             # a part's own parts next, before the following parts (a narrowed `if` is merged before the next is judged)
             queue[0:0] = [(f"{where}/allOf/{i}", sub) for i, sub in enumerate(part.pop("allOf", None) or [])]
+            if "oneOf" in part:
+                self.origins[id(s)] = where
             self.merge_part(s, part, where)
 
     def merge_part(self, s: dict, part: dict, where: str) -> None:
@@ -583,7 +656,12 @@ class _Walker:
             if key not in s or s[key] == value:
                 s[key] = value
                 continue
-            merged = _merge_keyword(key, s[key], value)
+            if key == "anyOf" and isinstance(value, list) and isinstance(s[key], list):
+                # (A1 or A2) and (B1 or B2): every pair, less those no instance satisfies
+                merged = [_both(x, y) for x in s[key] for y in value if not self.pair_disjoint(x, y)]
+                merged = merged if 0 < len(merged) <= 32 else _CLASH
+            else:
+                merged = _merge_keyword(key, s[key], value)
             if merged is _CLASH:
                 self.bad(where, f"'allOf' whose parts both constrain {key!r}")
             else:
@@ -624,12 +702,6 @@ class _Walker:
         if "integer" in out or "number" in out:  # 1 is both an integer and a number
             out |= {"integer", "number"}
         return out
-
-    def disjoint(self, branches: list, sent: list, root: Any) -> bool:
-        """No instance is in two branches: each branch as enforced against every other as sent (`sent`,
-        resolved in `root`)."""
-        return all(self.pair_disjoint(branches[i], sent[j], rb=root)
-                   for i in range(len(branches)) for j in range(len(branches)) if i != j)
 
     def pair_disjoint(self, a: Any, b: Any, depth: int = 0, ra: Any = None, rb: Any = None) -> bool:
         """No instance is valid for both (a resolved in `ra`, b in `rb`: None the rewritten schema)."""
@@ -719,6 +791,8 @@ class _Walker:
 
 
 _CLASH = object()
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
+           "maxContains")
 _LOWER = {"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains"}
 _UPPER = {"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains"}
 _SUBSCHEMA = {"items", "additionalProperties", "propertyNames", "contains", "unevaluatedProperties"}
@@ -755,10 +829,16 @@ def _merge_keyword(key: str, a: Any, b: Any) -> Any:
         if not both:
             return _CLASH
         return both.pop() if len(both) == 1 else sorted(both)
+    if key == "not":
+        return {"anyOf": [a, b]}  # not A and not B: neither
     if key == "enum" and isinstance(a, list) and isinstance(b, list):
         keep = [v for v in a if any(json.dumps(v, sort_keys=True) == json.dumps(w, sort_keys=True) for w in b)]
         return keep or _CLASH
     return _CLASH
+
+
+# keywords the walk renames (one_of, normalize): a pointer into one schema, read in the other
+_RENAMED = {"anyOf": "oneOf", "oneOf": "anyOf", "prefixItems": "items", "items": "prefixItems"}
 
 
 def _lookup(root: Any, pointer: str) -> Any:
@@ -768,6 +848,8 @@ def _lookup(root: Any, pointer: str) -> Any:
     node = root
     for part in [p for p in pointer[1:].split("/") if p]:
         part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part not in node and part in _RENAMED and _RENAMED[part] in node:
+            part = _RENAMED[part]
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
