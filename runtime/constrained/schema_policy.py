@@ -127,6 +127,7 @@ class _Walker:
         self.root = root
         self.original = copy.deepcopy(root)  # the walk rewrites root in place
         self.narrowed: list[str] = []  # each narrowing, said where
+        self.narrower = False  # some subschema admits less than it did (a narrowing, a pinned type)
         self.origins: dict[int, str] = {}  # id(schema) -> where its oneOf came from (a merged allOf part)
         self.backend = backend
         self.narrow = narrow
@@ -217,6 +218,11 @@ class _Walker:
         if "oneOf" in s:
             self.one_of(s, ptr)
         self.required_into_properties(s, ptr)
+        absent = [n for n, sub in (s.get("properties") or {}).items() if sub is False]
+        if absent and self.backend == "xgrammar" and s.get("additionalProperties") is False \
+                and not s.get("patternProperties") and not set(absent) & set(s.get("required") or []):
+            for name in absent:  # xgrammar refuses a `false` schema; unlisted, the name is forbidden anyway
+                del s["properties"][name]
         if s.get("type") in ("object", ["object"]):
             if not any(k in s for k in ("properties", "patternProperties", "additionalProperties",
                                         "unevaluatedProperties", "propertyNames")):
@@ -230,8 +236,8 @@ class _Walker:
         if not isinstance(branches, list):
             self.bad(f"{ptr}/oneOf", "'oneOf' that is not a list")
             return
-        if len(branches) == 1:  # exactly one of one
-            s.setdefault("allOf", []).append(branches[0]) if s.get("anyOf") else s.__setitem__("anyOf", branches)
+        if len(branches) == 1 and not s.get("anyOf"):  # exactly one of one
+            s["anyOf"] = branches
             return
         sent, root = self.sent_branches(s, ptr, branches)
         chosen = None
@@ -251,6 +257,7 @@ class _Walker:
             if best:
                 chosen = [b for _, b in best]
                 if len(best) < len(branches) or any(b is not branches[i] for i, b in best):
+                    self.narrower = True
                     self.narrowed.append(f"oneOf at {ptr}: its branches narrowed to exclude one another"
                                          + (f", {len(branches) - len(best)} of {len(branches)} left out"
                                             if len(best) < len(branches) else ""))
@@ -275,7 +282,7 @@ class _Walker:
             found = node.get("oneOf") if isinstance(node, dict) else None
             if isinstance(found, list) and len(found) == len(branches):
                 return found, self.original
-        return (None, None) if self.narrowed else (branches, None)  # nothing narrowed yet: as sent
+        return (None, None) if self.narrower else (branches, None)  # nothing narrowed yet: as sent
 
     def exact_format(self, s: dict, ptr: str) -> None:
         """Drop a format no validator asserts; make one the backend enforces only approximately an
@@ -338,6 +345,7 @@ class _Walker:
         families = {t for t, keys in _FAMILIES.items() if any(k in s for k in keys)}
         if len(families) == 1:
             s["type"] = families.pop()
+            self.narrower = True
         elif len(families) > 1 and "anyOf" not in s:
             # each family's keywords bind its own type only: one branch per type (exact)
             branches = [{"type": t, **{k: s.pop(k) for k in _FAMILIES[t] if k in s}} for t in sorted(families)]
@@ -348,6 +356,7 @@ class _Walker:
 
     # ---- narrowings: a stricter schema where no backend enforces the keyword itself ----------------
     def note(self, ptr: str | None, what: str) -> None:
+        self.narrower = True
         if ptr is not None:  # None: a trial (closed_object), kept or dropped by its caller
             self.narrowed.append(f"{what} at {ptr}")
 
@@ -383,12 +392,12 @@ class _Walker:
             self.narrow_not(s)
             if "not" not in s:
                 self.note(ptr, "not as what it leaves (names absent, other types or values)")
-        if ("minProperties" in s or "maxProperties" in s) and self.backend == "llguidance":
-            self.narrow_counts(s, ptr)
         if "propertyNames" in s and "propertyNames" not in self.supported:
             self.names_as_properties(s)
             if "propertyNames" not in s:
                 self.note(ptr, "propertyNames as the properties it admits")
+        if ("minProperties" in s or "maxProperties" in s) and self.backend == "llguidance":
+            self.narrow_counts(s, ptr)
 
     def names_as_properties(self, s: dict) -> None:
         """`propertyNames` of an enum, a pattern, lengths or a narrowed format as the properties or
