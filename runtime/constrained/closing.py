@@ -14,12 +14,13 @@ parses and validates; the request reports it (finish_reason `length`, with the r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 
 from plait.runtime.constrained.base import Matcher
-from plait.runtime.constrained.bitmask import allocate_bitmask, unpack_bitmask
+from plait.runtime.constrained.bitmask import allocate_bitmask
 
 # the search begins this many tokens before the budget ends (a longer completion is not looked for)
 CLOSE_WINDOW = 48
@@ -37,10 +38,12 @@ class CloseVocab:
 
     encode: Callable[[str], list[int]]
     texts: tuple[str, ...]
-    ordered: tuple[int, ...]
+    ordered: torch.Tensor  # ids, in the order tried
     singles: torch.Tensor  # ids of the one-character tokens: letters and digits first
-    eos_ids: tuple[int, ...]
+    eos_ids: torch.Tensor
     vocab_size: int
+    rank: dict[int, int]  # place in `ordered`
+    quotes: torch.Tensor  # the ordered ids that begin with '"' (close a string)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int, eos_ids: list[int]) -> "CloseVocab":
@@ -53,9 +56,16 @@ class CloseVocab:
         first_id = {s: i for i, s in reversed(list(enumerate(texts)))}
         values = [first_id[s] for s in _VALUES if s in first_id]
         singles = sorted((i for i, s in enumerate(texts) if len(s) == 1), key=lambda i: not texts[i].isalnum())
-        return cls(lambda text: tokenizer.encode(text, add_special_tokens=False), tuple(texts),
-                   tuple(dict.fromkeys(closers + separated + values)), torch.tensor(singles, dtype=torch.long),
-                   tuple(eos_ids), vocab_size)
+        ordered = list(dict.fromkeys(closers + separated + values))
+        ids = partial(torch.tensor, dtype=torch.long)
+        return cls(lambda text: tokenizer.encode(text, add_special_tokens=False), tuple(texts), ids(ordered),
+                   ids(singles), ids(sorted(eos_ids)), vocab_size, {t: i for i, t in enumerate(ordered)},
+                   ids([t for t in ordered if texts[t].startswith('"')]))
+
+
+def _bits(row: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Whether each of `ids` is allowed in a packed bitmask row (bool, like ids)."""
+    return ((row[ids >> 5] >> (ids & 31)) & 1).bool()
 
 
 def _text_of(vocab: "CloseVocab", tok: int) -> str:
@@ -68,10 +78,7 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
     first, trying first the tokens that leave the least JSON open (strings, arrays, objects) and, among
     equals, the closers, separators and short values in `vocab.ordered`; it backtracks out of dead ends
     but stops once its path runs past `limit`. The matcher is left as it was."""
-    rank = {t: i for i, t in enumerate(vocab.ordered)}
-    ordered = torch.tensor(vocab.ordered, dtype=torch.long)
     bitmask, probe = allocate_bitmask(1, vocab.vocab_size), allocate_bitmask(1, vocab.vocab_size)
-    closers_ = torch.tensor([t for t in vocab.ordered if _text_of(vocab, t).startswith('"')], dtype=torch.long)
     steps = 0
 
     class TooDeep(Exception):
@@ -82,20 +89,21 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
         after = state.after(text)
         # JSON punctuation written into a string closes nothing: letters are the better content
         content = text.split('"', 1)[0] if state.in_string else ""
-        return any(c in _PUNCTUATION for c in content), after.open, len(text), rank.get(tok, len(rank))
+        return any(c in _PUNCTUATION for c in content), after.open, len(text), vocab.rank.get(tok, len(vocab.rank))
 
-    def candidates(allowed: torch.Tensor, state: _Open) -> list[int]:
+    def candidates(row: torch.Tensor, state: _Open) -> list[int]:
         forced = matcher.forced_tokens()
         if forced is None:
             forced_text = matcher.jump_forward_string()
             forced = vocab.encode(forced_text)[:1] if forced_text else []
         # a few allowed one-character tokens too, letters and digits and others (a pattern's digit, a
         # minLength's letter, a URI's colon)
-        singles = vocab.singles[allowed[vocab.singles]]
-        tried = ordered[allowed[ordered]].tolist() + singles[:_FALLBACK].tolist() + singles[-_FALLBACK:].tolist()
+        singles = vocab.singles[_bits(row, vocab.singles)]
+        tried = (vocab.ordered[_bits(row, vocab.ordered)].tolist() + singles[:_FALLBACK].tolist()
+                 + singles[-_FALLBACK:].tolist())
         tried.sort(key=lambda t: key(state, t))
         tried = list(dict.fromkeys(forced[:1] + tried))
-        if state.in_string and not allowed[closers_].any():
+        if state.in_string and not _bits(row, vocab.quotes).any():
             # stuck inside a string (a pattern, a format, a minLength): first what lets it close next
             tried.sort(key=lambda t: not opens_a_close(t))
         return tried
@@ -105,19 +113,18 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
             return False
         try:
             matcher.fill_bitmask(probe, 0)
-            return bool(unpack_bitmask(probe, vocab.vocab_size)[0][closers_].any())
+            return bool(_bits(probe[0], vocab.quotes).any())
         finally:
             matcher.rollback(1)
 
     def search(depth: int, state: _Open) -> list[int] | None:
         nonlocal steps
         matcher.fill_bitmask(bitmask, 0)
-        allowed = unpack_bitmask(bitmask, vocab.vocab_size)[0]
-        if any(allowed[e] for e in vocab.eos_ids):
+        if _bits(bitmask[0], vocab.eos_ids).any():
             return []
         if depth == limit:
             raise TooDeep
-        for tok in candidates(allowed, state):
+        for tok in candidates(bitmask[0], state):
             if steps >= _MAX_STEPS:
                 return None
             if not matcher.accept_token(tok):
@@ -191,6 +198,8 @@ class ClosingMatcher(Matcher):
             plan = self._plan[1:]
         elif self._inner.is_terminated():
             plan = []
+        elif len(self._plan) <= self._budget - 2 and still_holds(self._inner, self._plan, self._vocab):
+            plan = self._plan  # e.g. a letter inside a string the plan closes: no new search
         else:
             plan = plan_close(self._inner, self._vocab, opened, self._budget - 2)  # leaves room for the end
             if plan is None:
@@ -204,7 +213,7 @@ class ClosingMatcher(Matcher):
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if not self._plan:  # the grammar may end here: only the end (whatever else it allows may not fit)
             self._inner.fill_bitmask(bitmask, row)
-            allowed = [e for e in self._vocab.eos_ids if (int(bitmask[row, e // 32]) >> (e % 32)) & 1]
+            allowed = self._vocab.eos_ids[_bits(bitmask[row], self._vocab.eos_ids)].tolist()
             bitmask[row].zero_()
             for e in allowed:
                 _set_bit(bitmask, row, e)
@@ -236,6 +245,23 @@ class ClosingMatcher(Matcher):
         twin.__dict__.update(self.__dict__)
         twin._inner, twin._history = self._inner.copy(), list(self._history)
         return twin
+
+
+def still_holds(matcher: Matcher, plan: list[int], vocab: CloseVocab) -> bool:
+    """Whether `plan` still takes `matcher` to where the end is allowed (the matcher is left as it was)."""
+    taken = 0
+    try:
+        for tok in plan:
+            if not matcher.accept_token(tok):
+                return False
+            taken += 1
+        for eos in vocab.eos_ids.tolist():
+            if matcher.accept_token(eos):
+                matcher.rollback(1)
+                return True
+        return False
+    finally:
+        matcher.rollback(taken)
 
 
 def _set_bit(bitmask: torch.Tensor, row: int, token: int) -> None:

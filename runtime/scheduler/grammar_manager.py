@@ -22,7 +22,7 @@ import torch
 
 from plait.runtime.constrained import GrammarCache, GrammarError, JsonStyle, create_backend
 from plait.runtime.constrained.bitmask import allocate_bitmask, apply_token_bitmask_
-from plait.runtime.constrained.closing import CLOSE_WINDOW, ClosingMatcher, CloseVocab, plan_close
+from plait.runtime.constrained.closing import CLOSE_WINDOW, ClosingMatcher, CloseVocab, plan_close, still_holds
 from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
 from plait.runtime.constrained.jump_forward import accepted_prefix, plan_draft
 from plait.runtime.constrained.schema_policy import rewrite_schema
@@ -235,17 +235,20 @@ class GrammarManager:
         only while a completion still fits). Returns the tokens a draft must leave for the plan."""
         if self._close_vocab is None or isinstance(req.grammar, ClosingMatcher) or left > CLOSE_WINDOW:
             return 0
-        if req.close_need is not None and left > req.close_need + _REPLAN_SLACK:
-            return req.close_need + 1  # the last plan still fits with room to spare: no new search yet
-        start = time.perf_counter()
+        last = req.close_plan
+        if last is not None and left > len(last) + _REPLAN_SLACK:
+            return len(last) + 1  # the last plan still fits with room to spare: no new search yet
         text = self.tokenizer.decode(req.output_ids)
-        plan = plan_close(req.grammar, self._close_vocab, text, left - 2)
-        self.close_searches += 1
+        start = time.perf_counter()
+        if last is not None and len(last) <= left - 2 and still_holds(req.grammar, last, self._close_vocab):
+            plan = last  # the model wrote on inside what the plan closes: no new search
+        else:
+            plan = plan_close(req.grammar, self._close_vocab, text, left - 2)
+            self.close_searches += 1
         self.close_search_s += time.perf_counter() - start
-        if plan is None:  # nothing fits yet (the next token may be on the way): searched again next step
-            req.close_need = None
+        req.close_plan = plan  # None: nothing fits yet (the next token may be on the way): searched next step
+        if plan is None:
             return 0
-        req.close_need = len(plan)
         if left <= len(plan) + 2:  # the plan, the end of sequence, and one token to spare
             req.grammar = ClosingMatcher(req.grammar, plan, self._close_vocab, text, left)
             return 0

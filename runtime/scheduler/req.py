@@ -36,7 +36,7 @@ class Req:
         self.grammar_compile = None  # its constrained/base.Compile while the grammar compiles
         self.grammar_backend: str | None = None  # the backend that compiled it (auto picks per request)
         self.grammar_narrowed: list[str] = []  # how its JSON schema was narrowed (schema_policy.py)
-        self.close_need: int | None = None  # tokens the grammar's last planned completion takes (closing.py)
+        self.close_plan: list[int] | None = None  # the grammar's last planned completion (closing.py)
         self.draft: list[int] = []  # jump-forward tokens at the end of output_ids, not yet verified
         self.row: int | None = None
         self.last_node = None
