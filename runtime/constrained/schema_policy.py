@@ -656,7 +656,7 @@ class _Walker:
                 if name in (closer.get("properties") or {}):
                     continue
                 if closer.get("patternProperties"):
-                    self.bad(where, f"'allOf' whose parts list different properties beside patternProperties")
+                    self.bad(where, "'allOf' whose parts list different properties beside patternProperties")
                     return
                 closer.setdefault("properties", {})[name] = copy.deepcopy(extra)
         for key, value in part.items():
