@@ -85,6 +85,8 @@ _FORMATS = {
     "llguidance": {"email", "duration", "uri", "ipv4", "ipv6", "uuid"},
     "outlines": {"email", "uri", "uuid"},
 }
+# backends that enforce what stands beside an anyOf (the others get it copied into each branch)
+_SIBLINGS_WITH_ANYOF = {"llguidance"}
 # backends that enforce minLength/maxLength beside a pattern or format (xgrammar drops the lengths,
 # outlines-core the pattern)
 _LENGTHS_WITH_PATTERN = {"llguidance"}
@@ -217,6 +219,8 @@ class _Walker:
                 self.merge_all_of(s, ptr)
         if "oneOf" in s:
             self.one_of(s, ptr)
+        if s.get("anyOf") and self.backend not in _SIBLINGS_WITH_ANYOF:
+            self.siblings_into_branches(s)
         self.required_into_properties(s, ptr)
         absent = [n for n, sub in (s.get("properties") or {}).items() if sub is False]
         if absent and self.backend == "xgrammar" and s.get("additionalProperties") is False \
@@ -227,6 +231,15 @@ class _Walker:
             if not any(k in s for k in ("properties", "patternProperties", "additionalProperties",
                                         "unevaluatedProperties", "propertyNames")):
                 s["additionalProperties"] = True
+
+    def siblings_into_branches(self, s: dict) -> None:
+        """A + anyOf [B1, B2] as anyOf [A + B1, A + B2] (exact), for backends that drop what stands
+        beside an anyOf (measured: xgrammar takes the branches alone, so a parent's bounds, properties
+        and required names were lost)."""
+        siblings = {k: s.pop(k) for k in list(s) if k in _ASSERTING and k != "anyOf"}
+        if siblings:  # less the branches no instance of the siblings can satisfy
+            branches = [b for b in s["anyOf"] if not self.pair_disjoint(siblings, b)] or s["anyOf"]
+            s["anyOf"] = [{"allOf": [copy.deepcopy(siblings), branch]} for branch in branches]
 
     def one_of(self, s: dict, ptr: str) -> None:
         """`oneOf` as `anyOf` where no instance can be in two branches. With narrowing, the branches
