@@ -85,6 +85,10 @@ _FORMATS = {
     "llguidance": {"email", "duration", "uri", "ipv4", "ipv6", "uuid"},
     "outlines": {"email", "uri", "uuid"},
 }
+# measured: xgrammar admits "2.0" for ^(0|[1-9]\d*)(?:\+([0-9a-z]+(?:\.[0-9a-z]+)*))?$ (a semver pattern
+# from the corpus), so it takes only the patterns written here (formats.py), checked on edge cases
+_UNTRUSTED_PATTERNS = {"xgrammar"}
+_TRUSTED_PATTERNS = {f"^{p}$" for p, _ in EXACT.values()} | {f"^{p}$" for p in NARROWER.values()}
 # backends that enforce what stands beside an anyOf (the others get it copied into each branch)
 _SIBLINGS_WITH_ANYOF = {"llguidance"}
 # backends that enforce minLength/maxLength beside a pattern or format (xgrammar drops the lengths,
@@ -173,6 +177,8 @@ class _Walker:
         fmt = s.get("format")
         if isinstance(fmt, str) and fmt not in _FORMATS[self.backend]:
             self.bad(f"{ptr}/format", f"format {fmt!r}")
+        if self.backend in _UNTRUSTED_PATTERNS and "pattern" in s and s["pattern"] not in _TRUSTED_PATTERNS:
+            self.bad(f"{ptr}/pattern", f"pattern (the {self.backend} backend's regex is not exact for every pattern)")
         if "$ref" in s:
             target = self.resolve(s["$ref"], f"{ptr}/$ref") if isinstance(s["$ref"], str) else None
             if target is not None:
