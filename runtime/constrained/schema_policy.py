@@ -465,7 +465,7 @@ class _Walker:
 
     def narrow_counts(self, s: dict, ptr: str | None) -> None:
         """min/maxProperties where llguidance takes them only with every listed property required: no
-        other properties, and the listed ones required up to minProperties and kept to maxProperties."""
+        other properties, the first listed ones required up to minProperties, the rest absent."""
         if s.get("patternProperties") or not isinstance(s.get("properties"), dict):
             return
         required = list(dict.fromkeys(s.get("required") or []))
@@ -474,7 +474,7 @@ class _Walker:
         if not (isinstance(low, int) and isinstance(high, int)) or len(required) > high \
                 or len(required) + len(optional) < low:
             return
-        keep = max(low, min(high, len(required) + len(optional))) - len(required)
+        keep = max(low - len(required), 0)  # no more than needed: a required property may recurse
         s["required"] = required + optional[:keep]
         for name in optional[keep:]:
             s["properties"][name] = False
