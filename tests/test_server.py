@@ -331,7 +331,7 @@ def test_auth_body_limit_and_queue_limit(server, http):
 def test_metrics(http):
     http.post("/generate", json={"text": "metrics please", "sampling_params": greedy(4)})
     r = http.post("/generate", json={"text": "A number: ", "sampling_params": {**greedy(4), "regex": "[0-9]{3}"}})
-    assert r.json()["meta_info"]["grammar_backend"] == "xgrammar"
+    assert r.json()["meta_info"]["grammar_backend"] == "llguidance"  # auto: a regex goes to llguidance first
     time.sleep(1.2)  # the scheduler's stats arrive about once a second
     text = http.get("/metrics").text
     for name in ("plait:time_to_first_token_seconds_bucket", "plait:inter_token_latency_seconds_bucket",
@@ -343,7 +343,7 @@ def test_metrics(http):
     gen = [line for line in text.splitlines() if line.startswith("plait:generation_tokens_total")]
     assert float(gen[0].split()[-1]) >= 4
     grammar = [line for line in text.splitlines() if line.startswith("plait:grammar_requests_total")]
-    assert any('backend="xgrammar"' in line and float(line.split()[-1]) >= 1 for line in grammar), grammar
+    assert any('backend="llguidance"' in line and float(line.split()[-1]) >= 1 for line in grammar), grammar
 
 
 # ---- faults -------------------------------------------------------------------------------
