@@ -28,7 +28,22 @@ def corpus(every: int = 1) -> list[dict]:
 
 def validator(row: dict):
     cls = getattr(jsonschema, row["draft"] + "Validator")
+    cls = jsonschema.validators.extend(cls, {"multipleOf": _multiple_of(cls.VALIDATORS["multipleOf"])})
     return cls(row["schema"], format_checker=cls.FORMAT_CHECKER)
+
+
+def _multiple_of(check):
+    """jsonschema's multipleOf divides in floats, which overflow for an integer of hundreds of digits (the
+    model writes some): then decide it exactly, in fractions of the decimal texts."""
+    from fractions import Fraction
+
+    def multiple_of(validator, divisor, instance, schema):
+        try:
+            yield from check(validator, divisor, instance, schema)
+        except OverflowError:
+            if (Fraction(str(instance)) / Fraction(str(divisor))).denominator != 1:
+                yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor}")
+    return multiple_of
 
 
 def schema_prompt(tokenizer, row: dict) -> str:
@@ -190,6 +205,25 @@ def test_narrowings_admit_only_valid_documents(backends, tokenizer):
                 errors = [e.message for e in check.iter_errors(json.loads(doc))]
                 assert not errors, (what, name, doc, errors)
         assert compiled, what
+
+
+def test_property_counts_never_require_a_recursive_property(backends, tokenizer):
+    """llguidance's minProperties is narrowed to listed properties required: requiring `and` (listed first,
+    an array of the object itself) would leave no finite document, and the grammar would reach a dead end
+    after `{"`; a plain property is required instead."""
+    from plait.runtime.constrained.closing import CloseVocab
+    from plait.runtime.constrained.schema_policy import rewrite_schema
+
+    schema = {"$ref": "#/definitions/C", "definitions": {"C": {
+        "type": "object", "additionalProperties": False, "minProperties": 1, "properties": {
+            "and": {"type": "array", "items": {"$ref": "#/definitions/C"}, "minItems": 1},
+            "not": {"$ref": "#/definitions/C"}, "title": {"type": "string", "maxLength": 8}}}}}
+    narrowed, notes = rewrite_schema(schema, "llguidance")
+    assert narrowed["definitions"]["C"]["required"] == ["title"] and notes
+    vocab = CloseVocab.from_tokenizer(tokenizer, 49152, [tokenizer.eos_token_id])
+    g = backends["llguidance"].compile("json_schema", json.dumps(schema))
+    for doc in _random_documents(g, vocab, tokenizer, 8):
+        assert not list(jsonschema.Draft7Validator(schema).iter_errors(json.loads(doc))), doc
 
 
 @pytest.fixture(scope="module")

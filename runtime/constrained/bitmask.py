@@ -20,6 +20,19 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
+def allowed_bits(row: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Whether each of `ids` is allowed in one packed row (bool, shaped like ids)."""
+    return ((row[ids >> 5] >> (ids & 31)) & 1).bool()
+
+
+def allow_only(bitmask: torch.Tensor, row: int, tokens: list[int]) -> None:
+    """Make `row` allow exactly `tokens`."""
+    bitmask[row].zero_()
+    for token in tokens:
+        word = int(bitmask[row, token >> 5]) | (1 << (token & 31))
+        bitmask[row, token >> 5] = word - (1 << 32) if word >= 1 << 31 else word  # int32: bit 31 is the sign
+
+
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set disallowed tokens' logits to -inf, in place (rows of logits and bitmask correspond):
     the Triton kernel on GPU, the C kernel on CPU, this torch reference where neither applies."""

@@ -13,6 +13,7 @@ parses and validates; the request reports it (finish_reason `length`, with the r
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -20,7 +21,7 @@ from typing import Callable
 import torch
 
 from plait.runtime.constrained.base import Matcher
-from plait.runtime.constrained.bitmask import allocate_bitmask
+from plait.runtime.constrained.bitmask import allocate_bitmask, allow_only, allowed_bits
 
 # the search begins this many tokens before the budget ends (a longer completion is not looked for)
 CLOSE_WINDOW = 48
@@ -63,11 +64,6 @@ class CloseVocab:
                    ids([t for t in ordered if texts[t].startswith('"')]))
 
 
-def _bits(row: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Whether each of `ids` is allowed in a packed bitmask row (bool, like ids)."""
-    return ((row[ids >> 5] >> (ids & 31)) & 1).bool()
-
-
 def _text_of(vocab: "CloseVocab", tok: int) -> str:
     return vocab.texts[tok] if tok < len(vocab.texts) else ""
 
@@ -98,12 +94,12 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
             forced = vocab.encode(forced_text)[:1] if forced_text else []
         # a few allowed one-character tokens too, letters and digits and others (a pattern's digit, a
         # minLength's letter, a URI's colon)
-        singles = vocab.singles[_bits(row, vocab.singles)]
-        tried = (vocab.ordered[_bits(row, vocab.ordered)].tolist() + singles[:_FALLBACK].tolist()
+        singles = vocab.singles[allowed_bits(row, vocab.singles)]
+        tried = (vocab.ordered[allowed_bits(row, vocab.ordered)].tolist() + singles[:_FALLBACK].tolist()
                  + singles[-_FALLBACK:].tolist())
         tried.sort(key=lambda t: key(state, t))
         tried = list(dict.fromkeys(forced[:1] + tried))
-        if state.in_string and not _bits(row, vocab.quotes).any():
+        if state.in_string and not allowed_bits(row, vocab.quotes).any():
             # stuck inside a string (a pattern, a format, a minLength): first what lets it close next
             tried.sort(key=lambda t: not opens_a_close(t))
         return tried
@@ -113,14 +109,13 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
             return False
         try:
             matcher.fill_bitmask(probe, 0)
-            return bool(_bits(probe[0], vocab.quotes).any())
+            return bool(allowed_bits(probe[0], vocab.quotes).any())
         finally:
             matcher.rollback(1)
 
     def search(depth: int, state: _Open) -> list[int] | None:
         nonlocal steps
-        matcher.fill_bitmask(bitmask, 0)
-        if _bits(bitmask[0], vocab.eos_ids).any():
+        if may_end(matcher, vocab, bitmask):  # fills bitmask: the candidates come from it
             return []
         if depth == limit:
             raise TooDeep
@@ -189,6 +184,7 @@ class ClosingMatcher(Matcher):
         self._plan, self._open, self._budget = plan, _Open().after(text), budget  # budget: tokens still allowed
         self._history: list[tuple[list[int], _Open]] = []  # (plan, open) before each accepted token
         self.cut = 0
+        self.searches, self.search_s = 0, 0.0  # plans searched after a model token, and their seconds
 
     def accept_token(self, token: int) -> bool:
         if not self._inner.accept_token(token):
@@ -201,7 +197,9 @@ class ClosingMatcher(Matcher):
         elif len(self._plan) <= self._budget - 2 and still_holds(self._inner, self._plan, self._vocab):
             plan = self._plan  # e.g. a letter inside a string the plan closes: no new search
         else:
+            start = time.perf_counter()
             plan = plan_close(self._inner, self._vocab, opened, self._budget - 2)  # leaves room for the end
+            self.searches, self.search_s = self.searches + 1, self.search_s + time.perf_counter() - start
             if plan is None:
                 self._inner.rollback(1)
                 self.cut += 1
@@ -213,13 +211,9 @@ class ClosingMatcher(Matcher):
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         if not self._plan:  # the grammar may end here: only the end (whatever else it allows may not fit)
             self._inner.fill_bitmask(bitmask, row)
-            allowed = self._vocab.eos_ids[_bits(bitmask[row], self._vocab.eos_ids)].tolist()
-            bitmask[row].zero_()
-            for e in allowed:
-                _set_bit(bitmask, row, e)
-            return
-        bitmask[row].zero_()
-        _set_bit(bitmask, row, self._plan[0])
+            allow_only(bitmask, row, self._vocab.eos_ids[allowed_bits(bitmask[row], self._vocab.eos_ids)].tolist())
+        else:
+            allow_only(bitmask, row, self._plan[:1])
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens > len(self._history):
@@ -255,15 +249,13 @@ def still_holds(matcher: Matcher, plan: list[int], vocab: CloseVocab) -> bool:
             if not matcher.accept_token(tok):
                 return False
             taken += 1
-        for eos in vocab.eos_ids.tolist():
-            if matcher.accept_token(eos):
-                matcher.rollback(1)
-                return True
-        return False
+        return may_end(matcher, vocab, allocate_bitmask(1, vocab.vocab_size))
     finally:
         matcher.rollback(taken)
 
 
-def _set_bit(bitmask: torch.Tensor, row: int, token: int) -> None:
-    word = int(bitmask[row, token // 32]) | (1 << (token % 32))
-    bitmask[row, token // 32] = word - (1 << 32) if word >= 1 << 31 else word  # int32: bit 31 is the sign
+def may_end(matcher: Matcher, vocab: CloseVocab, bitmask: torch.Tensor) -> bool:
+    """Whether the end of sequence is allowed next (row 0 of `bitmask` is left holding the mask)."""
+    matcher.fill_bitmask(bitmask, 0)
+    return bool(allowed_bits(bitmask[0], vocab.eos_ids).any())
+

@@ -475,6 +475,9 @@ class _Walker:
                 or len(required) + len(optional) < low:
             return
         keep = max(low - len(required), 0)  # no more than needed: a required property may recurse
+        # plain values first, then references that never lead back here: requiring a property whose
+        # value needs this object again would leave no finite document (an empty grammar)
+        optional.sort(key=lambda n: self.recursion_rank(s["properties"][n], s))
         s["required"] = required + optional[:keep]
         for name in optional[keep:]:
             s["properties"][name] = False
@@ -482,6 +485,27 @@ class _Walker:
         s.pop("minProperties", None)
         s.pop("maxProperties", None)
         self.note(ptr, "minProperties/maxProperties as the listed properties, required")
+
+    def recursion_rank(self, sub: Any, target: dict) -> int:
+        """0: `sub` holds no reference; 1: its references never reach `target`; 2: they may."""
+        pending, seen = [sub], set()
+        rank = 0
+        while pending:
+            node = pending.pop()
+            if node is target and rank:
+                return 2
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if isinstance(node, dict):
+                ref = node.get("$ref")
+                if isinstance(ref, str) and ref.startswith("#"):
+                    rank = 1
+                    pending.append(_lookup(self.root, ref))
+                pending.extend(v for k, v in node.items() if k != "$ref")
+            elif isinstance(node, list):
+                pending.extend(node)
+        return rank
 
     def narrow_not(self, s: dict) -> None:
         """`not` of required names (alone, in allOf or anyOf): a name of each group absent; of types:
