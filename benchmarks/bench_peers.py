@@ -304,6 +304,7 @@ def offline(ns, tok, prompts: list[str]) -> list[str]:
 
 
 def _greedy(runner, prompt: list[int], n: int) -> list[int]:
+    from plait.runtime.model_executor.forward_batch import ForwardMode
     from plait.runtime.model_executor.model_runner import WorkItem
 
     row = _row(runner, len(prompt) + n)
@@ -311,12 +312,13 @@ def _greedy(runner, prompt: list[int], n: int) -> list[int]:
     logits = runner.forward([WorkItem(row, 0, prompt, [len(prompt) - 1])])
     for i in range(n):
         out.append(int(logits[0].argmax()))
-        logits = runner.forward([WorkItem(row, len(prompt) + i, [out[-1]], [0])])
+        logits = runner.forward([WorkItem(row, len(prompt) + i, [out[-1]], [0], ForwardMode.DECODE)])
     _free(runner, row, len(prompt) + n)
     return out
 
 
 def _logprobs(runner, prompt: list[int], cont: list[int]):
+    from plait.runtime.model_executor.forward_batch import ForwardMode
     from plait.runtime.model_executor.model_runner import WorkItem
 
     seq = prompt + cont
@@ -338,13 +340,14 @@ def _free(runner, row: int, n: int) -> None:
 
 
 def _decode_speed(runner, prompt: list[int], steps: int) -> float:
+    from plait.runtime.model_executor.forward_batch import ForwardMode
     from plait.runtime.model_executor.model_runner import WorkItem
 
     row = _row(runner, len(prompt) + steps)
     runner.forward([WorkItem(row, 0, prompt, [len(prompt) - 1])])
     start = time.perf_counter()
     for i in range(steps):
-        runner.forward([WorkItem(row, len(prompt) + i, [42], [0])])
+        runner.forward([WorkItem(row, len(prompt) + i, [42], [0], ForwardMode.DECODE)])
     el = time.perf_counter() - start
     _free(runner, row, len(prompt) + steps)
     return steps / el
@@ -376,6 +379,7 @@ def _neighbour(runner, prompt: list[int], ns) -> str:
 def _breakdown(runner, ids: list[list[int]], ns) -> str:
     """Where a decode step's time goes, at batch 1 and 64: the model's kernels timed by wrapping them."""
     import plait.runtime.models.llama as llama
+    from plait.runtime.model_executor.forward_batch import ForwardMode
     from plait.runtime.model_executor.model_runner import WorkItem
     from plait.runtime.sampling.sampler import SampleRow, sample
     from plait.runtime.sampling.params import SamplingParams
@@ -423,7 +427,7 @@ def _breakdown(runner, ids: list[list[int]], ns) -> str:
             steps, total, meta, samp = 10, 0.0, 0.0, 0.0
             spent.clear()
             for s in range(steps):
-                items = [WorkItem(row, n + s, [42], [0]) for row, n in rows]
+                items = [WorkItem(row, n + s, [42], [0], ForwardMode.DECODE) for row, n in rows]
                 t = time.perf_counter()
                 runner.build_batch(items)
                 meta += time.perf_counter() - t

@@ -77,6 +77,17 @@ class ServerArgs:
     jump_forward_token_budget: int = _arg(
         12, "jump-forward drafts may grow a decode forward up to this many tokens (beyond about 10 rows a "
             "float32 forward on 2 CPU cores is compute-bound and drafts stop paying; raise it on GPUs)")
+    speculative_algorithm: str | None = _arg(
+        None, "speculative decoding (README: Speculative decoding): NGRAM drafts what followed the sequence's "
+        "last tokens where they occurred before in it (prompt lookup, no draft model); drafts never change "
+        "the output", [None, "NGRAM"])
+    speculative_num_draft_tokens: int = _arg(
+        8, "tokens one speculative step verifies, the last sampled one included (so up to this - 1 draft tokens)")
+    speculative_ngram_min_match_window_size: int = _arg(1, "NGRAM: shortest suffix of the sequence looked up")
+    speculative_ngram_max_match_window_size: int = _arg(4, "NGRAM: longest suffix looked up (the longest match wins)")
+    speculative_token_budget: int = _arg(
+        12, "speculative drafts may grow a forward up to this many rows, less one per running request (past ~10 "
+        "rows a CPU forward is compute-bound, so a busy batch drafts nothing; raise it on GPUs)")
     log_level: str = _arg("info", "logging level", ["debug", "info", "warning", "error"])
     # ---- serving ----
     host: str = _arg("127.0.0.1", "HTTP bind address")
@@ -125,6 +136,14 @@ class ServerArgs:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if self.jump_forward_token_budget < 0:
             raise ValueError(f"jump_forward_token_budget must be >= 0, got {self.jump_forward_token_budget}")
+        if self.speculative_num_draft_tokens < 2:
+            raise ValueError(f"speculative_num_draft_tokens must be >= 2, got {self.speculative_num_draft_tokens}")
+        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
+            raise ValueError("need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_"
+                             f"window_size, got {self.speculative_ngram_min_match_window_size} and "
+                             f"{self.speculative_ngram_max_match_window_size}")
+        if self.speculative_token_budget < 0:
+            raise ValueError(f"speculative_token_budget must be >= 0, got {self.speculative_token_budget}")
         if self.grammar_cache_size < 1:
             raise ValueError(f"grammar_cache_size must be >= 1, got {self.grammar_cache_size}")
         for name in ("max_sequences_per_request", "max_new_tokens_per_request", "max_stop_strings",

@@ -4,6 +4,7 @@ random-weight configs of every supported architecture loaded from HF folders (sh
 import pytest
 import torch
 
+from plait.runtime.model_executor.forward_batch import ForwardMode
 from plait.runtime.model_executor.model_runner import ModelRunner, WorkItem
 from plait.runtime.server_args import ServerArgs
 
@@ -119,9 +120,9 @@ def test_cascade_decode_over_a_shared_prefix_matches_transformers(runner, hf_mod
     # prefix once, then each tail's prefill but its last token, then all last tokens as one decode batch
     runner.forward([WorkItem(rows[0], 0, prefix, [])])
     runner.forward([WorkItem(r, len(prefix), t[:-1], []) for r, t in zip(rows, tails) if len(t) > 1])
-    batch, _ = runner.build_batch([WorkItem(r, len(prefix) + len(t) - 1, t[-1:], [0]) for r, t in zip(rows, tails)])
+    batch, _ = runner.build_batch([WorkItem(r, len(prefix) + len(t) - 1, t[-1:], [0], ForwardMode.DECODE) for r, t in zip(rows, tails)])
     assert batch.decode.prefix_slots is not None and len(batch.decode.prefix_slots) >= len(prefix)
-    logits = runner.forward([WorkItem(r, len(prefix) + len(t) - 1, t[-1:], [0]) for r, t in zip(rows, tails)])
+    logits = runner.forward([WorkItem(r, len(prefix) + len(t) - 1, t[-1:], [0], ForwardMode.DECODE) for r, t in zip(rows, tails)])
     for k in range(len(tails)):
         assert (logits[k] - refs[k]).abs().max().item() < TOL
     for row, own in zip(rows, owned):

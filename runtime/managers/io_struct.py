@@ -74,6 +74,9 @@ class TokenOut(msgspec.Struct):
     decode: DecodeSpec | None = None  # on the request's first output
     grammar_backend: str | None = None  # the backend that compiled the request's grammar, if it has one
     grammar_narrowed: list[str] = []  # how its JSON schema was narrowed (on the request's first output)
+    spec_verify_ct: int = 0  # forwards that verified a speculative draft of the request, so far
+    spec_drafted: int = 0  # speculative draft tokens verified, so far
+    spec_accepted: int = 0  # of which kept
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):

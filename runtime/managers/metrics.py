@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+_ACCEPT_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
 
 
 class Metrics:
@@ -38,6 +39,12 @@ class Metrics:
         self._grammar = Counter("plait:grammar_requests", "Constrained requests finished, by the grammar backend "
                                 "that compiled them", labels + ["backend"], registry=r)
         self._model_name = model_name
+        self.spec_verifies = counter("spec_verify_ct", "Forwards that verified a speculative draft (per request)")
+        self.spec_drafted = counter("spec_draft_tokens", "Speculative draft tokens verified")
+        self.spec_accepted = counter("spec_accepted_tokens", "Speculative draft tokens kept (acceptance rate: "
+                                     "this over spec_draft_tokens)")
+        self.spec_accept_length = hist("spec_accept_length", "Tokens per speculative verify (kept draft and the "
+                                       "next token), per finished request", _ACCEPT_BUCKETS)
         self.running = gauge("num_running_reqs", "Requests running")
         self.queued = gauge("num_queue_reqs", "Requests waiting")
         self.kv_usage = gauge("token_usage", "Fraction of the KV pool in use")
@@ -67,6 +74,12 @@ class Metrics:
         self.requests.inc()
         if st.grammar_backend is not None:
             self._grammar.labels(self._model_name, st.grammar_backend).inc()
+        verifies, drafted, accepted = st.spec
+        if verifies:
+            self.spec_verifies.inc(verifies)
+            self.spec_drafted.inc(drafted)
+            self.spec_accepted.inc(accepted)
+            self.spec_accept_length.observe(1 + accepted / verifies)
 
     def on_stats(self, s) -> None:
         self.running.set(s.num_running)

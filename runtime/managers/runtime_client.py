@@ -6,6 +6,7 @@ Results have the shape of SGLang's /generate response:
     {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
      "completion_tokens", "cached_tokens", "reasoning_tokens", "num_retractions",
      "weight_version", "e2e_latency", ["grammar_backend"], ["grammar_narrowed"],
+     ["spec_verify_ct", "spec_accept_length"],
      [logprobs..., "output_token_logprobs_length"]}}
 
 Streamed snapshots carry SGLang's split: output logprobs are the snapshot's own (its new
@@ -151,6 +152,7 @@ class ReqState:
         self.queue_time: float | None = None
         self.grammar_backend: str | None = None
         self.grammar_narrowed: list[str] = []
+        self.spec = (0, 0, 0)  # forwards that verified a speculative draft, its tokens verified, kept
         self.changed = asyncio.Event()
 
     def apply(self, so: StrOut) -> None:
@@ -164,6 +166,7 @@ class ReqState:
         self.counts = {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
                        "cached_tokens": o.cached_tokens, "reasoning_tokens": 0,  # no reasoning parser runs
                        "num_retractions": o.num_retractions}
+        self.spec = (o.spec_verify_ct, o.spec_drafted, o.spec_accepted)
         if o.queue_time is not None:
             self.queue_time = o.queue_time
         self.grammar_backend = o.grammar_backend or self.grammar_backend
@@ -338,6 +341,9 @@ class RuntimeClient:
             meta["grammar_backend"] = st.grammar_backend
         if st.grammar_narrowed:
             meta["grammar_narrowed"] = st.grammar_narrowed
+        if st.spec[0]:  # SGLang's names: verify forwards, and tokens each yielded (kept draft + the next token)
+            meta["spec_verify_ct"] = st.spec[0]
+            meta["spec_accept_length"] = round(1 + st.spec[2] / st.spec[0], 4)
         if st.msg.return_logprob:
             def part(key: str, items: list) -> list:
                 if not delta_logprobs or key.startswith("in_"):  # input logprobs are cumulative, as in SGLang

@@ -1,8 +1,8 @@
 """ForwardBatch: what one model forward computes, and the per-batch context layers read it from.
 
-Tokens of a batch are flat ([num_tokens]) with no padding. Requests computing several tokens
-(prefill chunks: *extend*) come first, requests computing one token (*decode*) after them, so a
-mixed batch runs both through the same weights once. Attention metadata for each group is built
+Tokens of a batch are flat ([num_tokens]) with no padding. Items computing a run of tokens (prefill
+chunks, and drafts being verified) come first, causal within each item; items decoding one token
+come after them, so a mixed batch runs both through the same weights once. Attention metadata for each group is built
 once per batch, outside the layer loop.
 """
 
@@ -17,8 +17,12 @@ import torch
 
 
 class ForwardMode(Enum):
-    EXTEND = "extend"
-    DECODE = "decode"
+    """What a work item computes, set by the scheduler (never inferred from a token count). A batch's
+    mode is its items' one mode, or MIXED."""
+
+    EXTEND = "extend"  # prompt tokens (a prefill chunk)
+    DECODE = "decode"  # the one token sampled last step
+    TARGET_VERIFY = "target_verify"  # that token and a draft after it, verified by their logits
     MIXED = "mixed"
 
 

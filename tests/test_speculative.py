@@ -1,0 +1,187 @@
+"""Speculative decoding: NGRAM drafts, verified so that they never change the output."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import THREADS, chat_prompt
+
+TEXTS = [
+    "The committee met on Tuesday to review the budget. It approved funding for the new library, "
+    "postponed the decision on the park, and asked the city manager for a report on road repairs.",
+    "def area(width, height):\n    return width * height\n\ndef perimeter(width, height):\n    return 2 * (width + height)\n",
+    "Alice bought three apples, two pears and a melon. Bob bought two apples and a melon. "
+    "Carol bought nothing but asked for the price of the melon.",
+    '{"name": "Ada Lovelace", "born": 1815, "field": "mathematics", "known_for": "the first program"}',
+]
+TASKS = ["Repeat this text exactly:\n{}", "Summarize in one sentence:\n{}", "Rewrite this with every name in "
+         "capitals:\n{}", "Quote the first line of this, then explain it:\n{}"]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                            "born": {"type": "integer"}, "field": {"type": "string", "maxLength": 30}},
+          "required": ["name", "born", "field"], "additionalProperties": False}
+
+
+def prompts(tokenizer, n: int) -> list[str]:
+    cases = [task.format(text) for task in TASKS for text in TEXTS]
+    return [chat_prompt(tokenizer, c) for c in (cases * (1 + n // len(cases)))[:n]]
+
+
+# ---- NGRAM lookup ----------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_longest_latest_match():
+    from plait.runtime.speculative.ngram import NgramIndex
+
+    ix = NgramIndex(1, 3)
+    assert ix.propose([5], 4) == []  # nothing before it
+    seq = [1, 2, 3, 9, 1, 2, 4, 8, 2, 3]
+    # the suffix [2, 3] occurred at 1..2 (followed by 9, 1, 2); [3] alone would say the same here
+    assert ix.propose(seq, 3) == [9, 1, 2]
+    seq += [7, 1, 2]
+    # [1, 2] occurred twice: the latest (at 4..5, followed by 4, 8) wins over the first
+    assert ix.propose(seq, 2) == [4, 8]
+    seq += [4, 8, 2, 3, 7]
+    # the longest suffix first: [2, 3, 7] (followed by 1, 2, 4) beats [3, 7] and [7]
+    assert ix.propose(seq, 3) == [1, 2, 4]
+    assert ix.propose(seq + [6], 3) == []  # 6 never occurred
+    assert ix.propose(seq, 0) == []
+    with pytest.raises(ValueError, match="min_ngram"):
+        NgramIndex(3, 2)
+
+
+# ---- verification keeps the model's distribution -------------------------------------------
+def _chi_square(counts: list[int], probs: list[float]) -> float:
+    total = sum(counts)
+    return sum((c - total * p) ** 2 / (total * p) for c, p in zip(counts, probs))
+
+
+def test_verification_samples_the_models_distribution():
+    """A draft is kept where the sampler, drawing as it would one step at a time, picks the draft's token:
+    over many seeds, each emitted position follows the target's softmax (chi-square, tiny vocabulary)."""
+    from plait.runtime.sampling.params import SamplingParams
+    from plait.runtime.speculative.verify import walk_draft
+
+    vocab, temp = 5, 0.8
+    rows = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 1.5, 0.2, 0.3, 0.9], [1.0, 1.0, 1.0, 0.0, 0.0]])
+    draft = [1, 4]  # neither is the likeliest token: both keeping and rejecting are common
+    params = SamplingParams(temperature=temp, max_new_tokens=16)
+    walk = walk_draft
+    first, second = [0] * vocab, [0] * vocab
+    trials = 6000
+    for seed in range(trials):
+        req = SimpleNamespace(draft=draft, params=params, generator=torch.Generator().manual_seed(seed),
+                              output_ids=[7, 7] + draft, origin_input_ids=[3], return_logprob=False,
+                              top_logprobs_num=0)
+        kept, tok, _ = walk(req, rows, set())
+        emitted = draft[:kept] + [tok]
+        first[emitted[0]] += 1
+        if emitted[0] == draft[0] and len(emitted) > 1:
+            second[emitted[1]] += 1
+    for counts, row in ((first, rows[0]), (second, rows[1])):
+        probs = torch.softmax(row / temp, -1).tolist()
+        # 4 degrees of freedom: p < 0.001 beyond 18.47
+        assert _chi_square(counts, probs) < 18.47, (counts, [round(p * sum(counts)) for p in probs])
+    assert 0.1 < second[4] / sum(second) < 0.5 and sum(second) > 1000  # the second draft token was tested too
+
+
+# ---- the real model --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engines():
+    """The same deterministic engine with and without NGRAM drafts (batch-invariant kernels: a row's logits
+    do not depend on what shares its forward, so verified rows equal decoded ones bit for bit)."""
+    from plait import Engine
+
+    common = dict(num_threads=THREADS, max_total_tokens=16384, dtype="float32", log_level="warning",
+                  enable_deterministic_inference=True)
+    plain = Engine(**common)
+    spec = Engine(**common, speculative_algorithm="NGRAM")
+    yield plain, spec
+    plain.shutdown()
+    spec.shutdown()
+
+
+def _run(engine, texts, params, batch: int) -> list[dict]:
+    outs = []
+    for i in range(0, len(texts), batch):
+        outs += engine.generate(texts[i : i + batch], params if isinstance(params, dict) else params[i : i + batch])
+    return outs
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_ngram_outputs_are_token_identical(engines, batch):
+    plain, spec = engines
+    texts = prompts(plain.tokenizer, 16)
+    params = {"temperature": 0, "max_new_tokens": 48}
+    before = spec.get_server_info()
+    ref, got = _run(plain, texts, params, batch), _run(spec, texts, params, batch)
+    for r, g in zip(ref, got):
+        assert g["output_ids"] == r["output_ids"], (r["text"], g["text"])
+    info = spec.get_server_info()
+    kept = info["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert info["spec_verifies"] > before["spec_verifies"] and kept > 0.1 * sum(len(g["output_ids"]) for g in got)
+    assert any(g["meta_info"].get("spec_accept_length", 0) > 2 for g in got)
+    # fewer forwards than tokens: the kept drafts saved steps
+    assert sum(g["meta_info"]["spec_verify_ct"] for g in got if "spec_verify_ct" in g["meta_info"]) > 0
+
+
+def test_ngram_with_sampling_seeds_and_schema(engines):
+    """One draw per emitted token from the request's own generator: seeded sampled outputs are identical
+    too; a JSON schema's grammar cuts drafts to what it allows, and outputs stay valid."""
+    import jsonschema
+
+    plain, spec = engines
+    texts = prompts(plain.tokenizer, 8)
+    sampled = [{"temperature": 0.8, "top_p": 0.95, "seed": 11 + i, "max_new_tokens": 40} for i in range(8)]
+    assert [o["output_ids"] for o in _run(spec, texts, sampled, 4)] == \
+        [o["output_ids"] for o in _run(plain, texts, sampled, 4)]
+    ask = chat_prompt(plain.tokenizer, "Give this person as JSON with name, born and field: " + TEXTS[3])
+    schema = {"json_schema": json.dumps(PERSON), "max_new_tokens": 64}
+    params = [dict(schema, temperature=0)] + [dict(schema, temperature=0.7, seed=s) for s in (1, 2)]
+    ref, got = _run(plain, [ask] * 3, params, 3), _run(spec, [ask] * 3, params, 3)
+    for r, g in zip(ref, got):
+        assert g["output_ids"] == r["output_ids"]
+        assert not list(jsonschema.Draft202012Validator(PERSON).iter_errors(json.loads(g["text"])))
+
+
+def test_ngram_stops_inside_a_kept_draft_and_reports_logprobs(engines):
+    """A stop string, a stop token or max_new_tokens inside a kept draft ends the output there, as it would
+    without drafts; logprobs come per token, the same as without drafts."""
+    plain, spec = engines
+    text = prompts(plain.tokenizer, 1)[0]
+    base = plain.generate(text, {"temperature": 0, "max_new_tokens": 40})
+    words = base["text"].split()
+    cases = [{"stop": [" ".join(words[6:8])]}, {"max_new_tokens": 13},
+             {"stop_token_ids": [base["output_ids"][9]]}]
+    for extra in cases:
+        params = {"temperature": 0, "max_new_tokens": 40, **extra}
+        ref, got = plain.generate(text, params), spec.generate(text, params)
+        assert (got["output_ids"], got["text"]) == (ref["output_ids"], ref["text"]), extra
+        assert got["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
+    params = {"temperature": 0, "max_new_tokens": 24}
+    ref, got = (e.generate(text, params, return_logprob=True, top_logprobs_num=2) for e in (plain, spec))
+    assert got["meta_info"]["spec_verify_ct"] > 0
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        for a, b in zip(ref["meta_info"][key], got["meta_info"][key]):
+            assert json.dumps(a) == json.dumps(b) or _close(a, b), key
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return math.isclose(a, b, abs_tol=1e-4)
+    return a == b
+
+
+def test_speculative_flags_are_validated():
+    from plait.runtime.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="speculative_algorithm"):
+        ServerArgs(speculative_algorithm="MEDUSA")
+    with pytest.raises(ValueError, match="speculative_num_draft_tokens"):
+        ServerArgs(speculative_num_draft_tokens=1)
+    with pytest.raises(ValueError, match="match_window_size"):
+        ServerArgs(speculative_ngram_min_match_window_size=4, speculative_ngram_max_match_window_size=2)
