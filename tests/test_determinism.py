@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from plait.kernels import cpu_isa
+from plait.runtime.model_executor.forward_batch import ForwardMode
 from plait.runtime.model_executor.model_runner import ModelRunner, WorkItem
 from plait.runtime.server_args import ServerArgs
 
@@ -37,8 +38,8 @@ class _Seq:
         slots = own if prefix is None else torch.cat([runner.req_to_token.table[prefix.row, :shared], own])
         runner.req_to_token.table[self.row, : len(ids)] = slots
 
-    def item(self, start: int, end: int) -> WorkItem:
-        return WorkItem(self.row, start, self.ids[start:end], list(range(end - start)))
+    def item(self, start: int, end: int, mode: ForwardMode = ForwardMode.EXTEND) -> WorkItem:
+        return WorkItem(self.row, start, self.ids[start:end], list(range(end - start)), mode)
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -69,9 +70,10 @@ def test_logits_do_not_depend_on_chunking_batch_or_cache(runner):
     runner.forward([first.item(0, n - 1)])
     sharers = [_Seq(runner, ids[: n - 1] + [t], prefix=first, shared=n - 1) for t in tok.encode(" a b c")]
     stranger = _Seq(runner, other)
-    logits = runner.forward([stranger.item(0, len(other)), first.item(n - 1, n)] + [s.item(n - 1, n) for s in sharers])
+    logits = runner.forward([stranger.item(0, len(other)), first.item(n - 1, n, ForwardMode.DECODE)]
+                            + [s.item(n - 1, n, ForwardMode.DECODE) for s in sharers])
     assert torch.equal(logits[len(other)], whole[n - 1])
-    batch, _ = runner.build_batch([first.item(n - 1, n)] + [s.item(n - 1, n) for s in sharers])
+    batch, _ = runner.build_batch([first.item(n - 1, n, ForwardMode.DECODE)] + [s.item(n - 1, n, ForwardMode.DECODE) for s in sharers])
     assert batch.decode.prefix_slots is None  # no cascade split: its result would depend on the batch
 
 

@@ -110,10 +110,11 @@ def _run(engine, texts, params, batch: int) -> list[dict]:
     return outs
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_ngram_outputs_are_token_identical(engines, batch):
+@pytest.mark.parametrize("batch,n", [(1, 6), (8, 16), pytest.param(1, 32, marks=pytest.mark.slow),
+                                     pytest.param(8, 32, marks=pytest.mark.slow)])
+def test_ngram_outputs_are_token_identical(engines, batch, n):
     plain, spec = engines
-    texts = prompts(plain.tokenizer, 16)
+    texts = prompts(plain.tokenizer, n)
     params = {"temperature": 0, "max_new_tokens": 48}
     before = spec.get_server_info()
     ref, got = _run(plain, texts, params, batch), _run(spec, texts, params, batch)
