@@ -29,13 +29,18 @@ def plan_draft(matcher: Matcher, tokenizer, room: int) -> list[int]:
             return []
         ids = tokenizer.encode(forced, add_special_tokens=False)
     ids = ids[: min(room, MAX_DRAFT)]
+    return ids[: allowed_prefix(matcher, ids)]
+
+
+def allowed_prefix(matcher: Matcher, ids: list[int]) -> int:
+    """How many leading `ids` the matcher accepts in a row (it is left unchanged)."""
     accepted = 0
     for t in ids:
         if not matcher.accept_token(t):
             break
         accepted += 1
     matcher.rollback(accepted)
-    return ids[:accepted]
+    return accepted
 
 
 def accepted_prefix(draft: list[int], chosen: list[int]) -> int:

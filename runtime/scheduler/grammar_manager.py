@@ -25,7 +25,7 @@ from plait.runtime.constrained import GrammarCache, GrammarError, JsonStyle, cre
 from plait.runtime.constrained.bitmask import allocate_bitmask, apply_token_bitmask_
 from plait.runtime.constrained.closing import CLOSE_WINDOW, ClosingMatcher, CloseVocab, plan_close, still_holds
 from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
-from plait.runtime.constrained.jump_forward import accepted_prefix, plan_draft
+from plait.runtime.constrained.jump_forward import accepted_prefix, allowed_prefix, plan_draft
 from plait.runtime.constrained.schema_policy import rewrite_schema
 from plait.runtime.managers.io_struct import FinishReason
 from plait.runtime.sampling import SampleRow, sample
@@ -283,13 +283,7 @@ class GrammarManager:
         """The longest prefix of a speculative draft the request's grammar allows (matcher unchanged)."""
         if isinstance(req.grammar, ClosingMatcher) or req.close_plan is not None:
             return []  # near the budget the closing plans the end: no guesses
-        taken = 0
-        for tok in draft:
-            if not req.grammar.accept_token(tok):
-                break
-            taken += 1
-        req.grammar.rollback(taken)
-        return draft[:taken]
+        return draft[: allowed_prefix(req.grammar, draft)]
 
     def _masked_pick(self, req: Req, row: torch.Tensor, sr: SampleRow) -> int:
         """Sample the logits row [1, vocab] again under the mask of the matcher's current state (the
