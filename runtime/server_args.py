@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from plait.runtime.constrained.base import BACKENDS, JSON_KEY_ORDER, JSON_WHITESPACE
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_HEAD = "SmolLM2-135M-Instruct-EAGLE3"
 
 
 def _arg(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
@@ -78,9 +79,18 @@ class ServerArgs:
         12, "jump-forward drafts may grow a decode forward up to this many tokens (beyond about 10 rows a "
             "float32 forward on 2 CPU cores is compute-bound and drafts stop paying; raise it on GPUs)")
     speculative_algorithm: str | None = _arg(
-        None, "speculative decoding (README: Speculative decoding): NGRAM drafts what followed the sequence's "
-        "last tokens where they occurred before in it (prompt lookup, no draft model); drafts never change "
-        "the output", [None, "NGRAM"])
+        None, "speculative decoding (README: Speculative decoding): EAGLE / EAGLE3 draft with a small head over the "
+        "target's hidden states (--speculative-draft-model-path; the default model has one shipped); NGRAM drafts "
+        "what followed the sequence's last tokens where they occurred before in it (prompt lookup, no draft "
+        "model); drafts never change the output", [None, "EAGLE", "EAGLE3", "NGRAM"])
+    speculative_draft_model_path: str | None = _arg(
+        None, "EAGLE/EAGLE3 head folder (config.json + safetensors in SGLang's layout); default: the head shipped "
+        "for the default model")
+    speculative_num_steps: int | None = _arg(
+        None, "EAGLE: most draft steps per verify (default: --speculative-num-draft-tokens - 1)")
+    speculative_eagle_topk: int = _arg(
+        1, "EAGLE: candidates expanded per draft step (1: a chain; more: a tree of --speculative-num-draft-tokens - 1 "
+        "nodes, verified in one forward; requests under a grammar draft chains)")
     speculative_num_draft_tokens: int = _arg(
         8, "tokens one speculative step verifies, the last sampled one included (so up to this - 1 draft tokens)")
     speculative_ngram_min_match_window_size: int = _arg(1, "NGRAM: shortest suffix of the sequence looked up")
@@ -142,6 +152,15 @@ class ServerArgs:
             raise ValueError("need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_"
                              f"window_size, got {self.speculative_ngram_min_match_window_size} and "
                              f"{self.speculative_ngram_max_match_window_size}")
+        if self.speculative_num_steps is not None and self.speculative_num_steps < 1:
+            raise ValueError(f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}")
+        if self.speculative_eagle_topk < 1:
+            raise ValueError(f"speculative_eagle_topk must be >= 1, got {self.speculative_eagle_topk}")
+        if self.speculative_eagle_topk > 1 and self.page_size != 1:
+            raise ValueError("speculative_eagle_topk > 1 (draft trees) needs page_size 1: a verified path's KV slots "
+                             "are reordered into position order")
+        if self.speculative_draft_model_path is not None and self.speculative_algorithm not in ("EAGLE", "EAGLE3"):
+            raise ValueError("speculative_draft_model_path needs speculative_algorithm EAGLE or EAGLE3")
         if self.speculative_token_budget < 0:
             raise ValueError(f"speculative_token_budget must be >= 0, got {self.speculative_token_budget}")
         if self.grammar_cache_size < 1:
@@ -171,10 +190,17 @@ class ServerArgs:
         quantization = self.quantization
         if quantization == "auto" and (self.dtype != "auto" or not _c_kernels()):
             quantization = "none"
+        draft = self.speculative_draft_model_path
+        if draft is None and self.speculative_algorithm in ("EAGLE", "EAGLE3"):
+            if self.model_path is not None:
+                raise ValueError(f"speculative_algorithm {self.speculative_algorithm} needs "
+                                 "--speculative-draft-model-path (a head ships only for the default model)")
+            draft = default_draft_path()
         return dataclasses.replace(
             self, model_path=self.model_path or default_model_path(), device=device, dtype=dtype,
             kv_cache_dtype=kv_cache_dtype, quantization=quantization,
-            api_key=self._resolved_api_key(), api_key_file=None,
+            api_key=self._resolved_api_key(), api_key_file=None, speculative_draft_model_path=draft,
+            speculative_num_steps=self.speculative_num_steps or self.speculative_num_draft_tokens - 1,
         )
 
     def _resolved_api_key(self) -> str | None:
@@ -259,6 +285,16 @@ def _best_cpu_dtype() -> str:
     from plait.kernels import cpu_build
 
     return "bfloat16" if cpu_build.c_kernels_possible() else "float32"
+
+
+def default_draft_path() -> str:
+    """The EAGLE-3 head trained here for the default model (`plait train-eagle`), shipped in the package."""
+    from importlib.resources import files
+
+    path = str(files("plait") / "heads" / DEFAULT_HEAD)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"the default model's draft head is missing: {path}")
+    return path
 
 
 def default_model_path() -> str:

@@ -21,8 +21,8 @@ def test_wheel_holds_every_subpackage_and_kernel_source(tmp_path):
     src = tmp_path / "src"
     for name in (*PACKAGE_DIRS, "pyproject.toml", "README.md"):
         copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
-        copy(ROOT / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree
-                                          else {}))
+        copy(ROOT / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__", "work")}
+                                          if copy is shutil.copytree else {}))
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                            str(tmp_path), str(src)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -35,6 +35,10 @@ def test_wheel_holds_every_subpackage_and_kernel_source(tmp_path):
         for source in (ROOT / src).rglob("*"):
             if source.suffix in (".c", ".h", ".py") and "__pycache__" not in source.parts:
                 expected.add(f"{pkg}/{source.relative_to(ROOT / src).as_posix()}")
+    # the EAGLE-3 head shipped for the default model (its training work dir is not part of it)
+    heads = [f for f in (ROOT / "plait" / "heads").glob("*/*") if f.suffix in (".json", ".safetensors")]
+    expected |= {f"plait/{f.relative_to(ROOT / 'plait').as_posix()}" for f in heads}
+    assert "plait/heads/SmolLM2-135M-Instruct-EAGLE3/model.safetensors" in expected
     assert "plait/runtime/entrypoints/__init__.py" in expected and "plait/kernels/skinny_linear.c" in expected
     missing = sorted(expected - names)
     assert not missing, f"not in the wheel: {missing}"

@@ -1,4 +1,4 @@
-"""Speculative decoding: NGRAM drafts, verified so that they never change the output."""
+"""Speculative decoding: NGRAM and EAGLE-3 drafts, verified so that they never change the output."""
 
 from __future__ import annotations
 
@@ -58,49 +58,67 @@ def _chi_square(counts: list[int], probs: list[float]) -> float:
     return sum((c - total * p) ** 2 / (total * p) for c, p in zip(counts, probs))
 
 
-def test_verification_samples_the_models_distribution():
-    """A draft is kept where the sampler, drawing as it would one step at a time, picks the draft's token:
-    over many seeds, each emitted position follows the target's softmax (chi-square, tiny vocabulary)."""
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_verification_samples_the_models_distribution(shape):
+    """A draft is kept where the sampler, drawing as it would one step at a time, picks the draft's token
+    (in a tree: the walk goes on into the child holding the pick): over many seeds, each emitted position
+    follows the target's softmax given the tokens before it (chi-square, tiny vocabulary)."""
     from plait.runtime.sampling.params import SamplingParams
     from plait.runtime.speculative.verify import walk_draft
 
     vocab, temp = 5, 0.8
-    rows = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 1.5, 0.2, 0.3, 0.9], [1.0, 1.0, 1.0, 0.0, 0.0]])
-    draft = [1, 4]  # neither is the likeliest token: both keeping and rejecting are common
+    rows = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 1.5, 0.2, 0.3, 0.9], [1.0, 1.0, 1.0, 0.0, 0.0],
+                         [0.3, 0.0, 1.2, 0.7, 0.1]])
+    # neither is the likeliest token: both keeping and rejecting are common. The tree adds a second child
+    # of the root (token 2) whose own row is rows[3]
+    draft, parents = ([1, 4], None) if shape == "chain" else ([1, 4, 2], [-1, 0, -1])
     params = SamplingParams(temperature=temp, max_new_tokens=16)
-    walk = walk_draft
-    first, second = [0] * vocab, [0] * vocab
+    first, second = [0] * vocab, {1: [0] * vocab, 2: [0] * vocab}
     trials = 6000
     for seed in range(trials):
         req = SimpleNamespace(draft=draft, params=params, generator=torch.Generator().manual_seed(seed),
                               output_ids=[7, 7] + draft, origin_input_ids=[3], return_logprob=False,
                               top_logprobs_num=0)
-        kept, tok, _ = walk(req, rows, set())
-        emitted = draft[:kept] + [tok]
+        path, tok, _ = walk_draft(req, rows[: len(draft) + 1], set(), parents)
+        emitted = [draft[i] for i in path] + [tok]
         first[emitted[0]] += 1
-        if emitted[0] == draft[0] and len(emitted) > 1:
-            second[emitted[1]] += 1
-    for counts, row in ((first, rows[0]), (second, rows[1])):
+        if len(emitted) > 1:
+            second[emitted[0]][emitted[1]] += 1
+    checks = [(first, rows[0]), (second[1], rows[1])] + ([(second[2], rows[3])] if shape == "tree" else [])
+    for counts, row in checks:
         probs = torch.softmax(row / temp, -1).tolist()
         # 4 degrees of freedom: p < 0.001 beyond 18.47
         assert _chi_square(counts, probs) < 18.47, (counts, [round(p * sum(counts)) for p in probs])
-    assert 0.1 < second[4] / sum(second) < 0.5 and sum(second) > 1000  # the second draft token was tested too
+    assert 0.1 < second[1][4] / sum(second[1]) < 0.5 and sum(second[1]) > 1000  # the second draft token was tested
+    if shape == "tree":
+        assert sum(second[2]) > 500
 
 
 # ---- the real model --------------------------------------------------------------------------
+# EAGLE3: the head shipped for the default model, drafting chains; EAGLE3-tree: trees of top-4 expansions
+ALGORITHMS = ["NGRAM", "EAGLE3", "EAGLE3-tree"]
+_FLAGS = {"NGRAM": {"speculative_algorithm": "NGRAM"}, "EAGLE3": {"speculative_algorithm": "EAGLE3"},
+          "EAGLE3-tree": {"speculative_algorithm": "EAGLE3", "speculative_eagle_topk": 4}}
+
+
 @pytest.fixture(scope="module")
-def engines():
-    """The same deterministic engine with and without NGRAM drafts (batch-invariant kernels: a row's logits
-    do not depend on what shares its forward, so verified rows equal decoded ones bit for bit)."""
+def deterministic():
+    """The deterministic engine without drafts, and with each algorithm's drafts (batch-invariant kernels: a
+    row's logits do not depend on what shares its forward, so verified rows equal decoded ones bit for bit)."""
     from plait import Engine
 
     common = dict(num_threads=THREADS, max_total_tokens=16384, dtype="float32", log_level="warning",
                   enable_deterministic_inference=True)
-    plain = Engine(**common)
-    spec = Engine(**common, speculative_algorithm="NGRAM")
-    yield plain, spec
-    plain.shutdown()
-    spec.shutdown()
+    engines = {None: Engine(**common)}
+    engines.update({a: Engine(**common, **_FLAGS[a]) for a in ALGORITHMS})
+    yield engines
+    for e in engines.values():
+        e.shutdown()
+
+
+@pytest.fixture(params=ALGORITHMS)
+def engines(request, deterministic):
+    return deterministic[None], deterministic[request.param]
 
 
 def _run(engine, texts, params, batch: int) -> list[dict]:
@@ -112,7 +130,7 @@ def _run(engine, texts, params, batch: int) -> list[dict]:
 
 @pytest.mark.parametrize("batch,n", [(1, 6), (8, 16), pytest.param(1, 32, marks=pytest.mark.slow),
                                      pytest.param(8, 32, marks=pytest.mark.slow)])
-def test_ngram_outputs_are_token_identical(engines, batch, n):
+def test_drafted_outputs_are_token_identical(engines, batch, n):
     plain, spec = engines
     texts = prompts(plain.tokenizer, n)
     params = {"temperature": 0, "max_new_tokens": 48}
@@ -122,13 +140,18 @@ def test_ngram_outputs_are_token_identical(engines, batch, n):
         assert g["output_ids"] == r["output_ids"], (r["text"], g["text"])
     info = spec.get_server_info()
     kept = info["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-    assert info["spec_verifies"] > before["spec_verifies"] and kept > 0.1 * sum(len(g["output_ids"]) for g in got)
-    assert any(g["meta_info"].get("spec_accept_length", 0) > 2 for g in got)
+    # at batch 8 the measured row cost (batch-invariant kernels here) holds drafts back: some are still kept
+    share = 0.1 if batch == 1 else 0.0
+    assert info["spec_verifies"] > before["spec_verifies"] and kept > share * sum(len(g["output_ids"]) for g in got)
+    # NGRAM copies long runs of these repeat-and-rewrite tasks; the small EAGLE-3 head keeps less per verify
+    longest = max(g["meta_info"].get("spec_accept_length", 0) for g in got)
+    floor = 2 if spec.args.speculative_algorithm == "NGRAM" else (1.4 if batch == 1 else 1.0)
+    assert longest > floor, longest
     # fewer forwards than tokens: the kept drafts saved steps
     assert sum(g["meta_info"]["spec_verify_ct"] for g in got if "spec_verify_ct" in g["meta_info"]) > 0
 
 
-def test_ngram_with_sampling_seeds_and_schema(engines):
+def test_drafts_with_sampling_seeds_and_schema(engines):
     """One draw per emitted token from the request's own generator: seeded sampled outputs are identical
     too; a JSON schema's grammar cuts drafts to what it allows, and outputs stay valid."""
     import jsonschema
@@ -147,7 +170,7 @@ def test_ngram_with_sampling_seeds_and_schema(engines):
         assert not list(jsonschema.Draft202012Validator(PERSON).iter_errors(json.loads(g["text"])))
 
 
-def test_ngram_stops_inside_a_kept_draft_and_reports_logprobs(engines):
+def test_stops_inside_a_kept_draft_and_logprobs(engines):
     """A stop string, a stop token or max_new_tokens inside a kept draft ends the output there, as it would
     without drafts; logprobs come per token, the same as without drafts."""
     plain, spec = engines
@@ -180,9 +203,49 @@ def _close(a, b) -> bool:
 def test_speculative_flags_are_validated():
     from plait.runtime.server_args import ServerArgs
 
+    with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
+        ServerArgs(model_path="/x.gguf", speculative_algorithm="EAGLE3").resolved()
+    with pytest.raises(ValueError, match="speculative_draft_model_path needs"):
+        ServerArgs(speculative_draft_model_path="/x")
+    with pytest.raises(ValueError, match="speculative_eagle_topk"):
+        ServerArgs(speculative_eagle_topk=0)
+    with pytest.raises(ValueError, match="page_size 1"):
+        ServerArgs(speculative_eagle_topk=4, page_size=2)
+    resolved = ServerArgs(speculative_algorithm="EAGLE3").resolved()
+    assert resolved.speculative_draft_model_path.endswith("SmolLM2-135M-Instruct-EAGLE3")
+    assert resolved.speculative_num_steps == resolved.speculative_num_draft_tokens - 1
+
     with pytest.raises(ValueError, match="speculative_algorithm"):
         ServerArgs(speculative_algorithm="MEDUSA")
     with pytest.raises(ValueError, match="speculative_num_draft_tokens"):
         ServerArgs(speculative_num_draft_tokens=1)
     with pytest.raises(ValueError, match="match_window_size"):
         ServerArgs(speculative_ngram_min_match_window_size=4, speculative_ngram_max_match_window_size=2)
+
+
+def test_draft_sizes_follow_measured_cost_and_acceptance():
+    """Drafts are sized by what pays: flat forward costs and likely acceptance draft to the cap; forwards whose
+    cost grows with every row (quantized weights) or unlikely acceptance draft little or nothing; a batch size
+    never measured runs a plain step first."""
+    from plait.runtime.speculative.cost import RowCost, choose_sizes
+
+    cost = RowCost()
+    assert choose_sizes(cost, 1, [0.9], [7], 12) == [0]  # nothing measured: measure the plain step
+    cost.record(1, 0.080)
+    assert choose_sizes(cost, 1, [0.9], [7], 12) == [7]  # more rows never measured: costed as one row, tried
+    for rows, t in ((2, 0.082), (4, 0.112), (8, 0.146), (12, 0.151)):  # float32 on 2 AVX2 cores
+        cost.record(rows, t)
+    assert choose_sizes(cost, 1, [0.8], [7], 12)[0] >= 4
+    assert choose_sizes(cost, 1, [0.8], [7], 12, step_seconds=0.03) in ([2], [3])  # a slow draft head costs depth
+    assert choose_sizes(cost, 1, [0.01], [7], 12) == [0]
+    quant = RowCost()
+    for rows, t in ((1, 0.0168), (2, 0.0255), (4, 0.0362), (8, 0.0653)):  # Q4_1 blocks: every row costs
+        quant.record(rows, t)
+    assert choose_sizes(quant, 1, [0.3], [7], 12) == [0]
+    assert choose_sizes(quant, 1, [0.97], [7], 12)[0] >= 3
+    # two requests: the likelier one drafts deeper; the token budget bounds the total
+    sizes = choose_sizes(cost, 2, [0.9, 0.5], [7, 7], 6)
+    assert sum(sizes) <= 6 and sizes[0] > sizes[1]
+    cost.record(3, 0.5)  # measurements replace the optimistic guesses: 3 and 4 rows now cost far more
+    cost.record(4, 0.5)
+    assert choose_sizes(cost, 2, [0.9, 0.9], [1, 1], 6) == [0, 0]

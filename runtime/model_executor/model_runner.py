@@ -31,6 +31,10 @@ class WorkItem:
     tokens: list[int]
     logit_offsets: list[int]  # offsets into `tokens` whose next-token logits are wanted
     mode: ForwardMode = ForwardMode.EXTEND  # DECODE: one token attending to its whole row
+    # TARGET_VERIFY of a draft tree: tokens are the last sampled token, then the tree's nodes; tree[i] is the
+    # node that node i follows (-1: the sampled token). Node i sits at position cached_len + its depth and
+    # attends to the keys before the sampled token, that token, its ancestors and itself
+    tree: list[int] | None = None
 
 
 class ModelRunner:
@@ -79,20 +83,37 @@ class ModelRunner:
         # no more than every running request at full context needs
         return max(1024, min(tokens, self.args.max_running_requests * self.context_length))
 
-    def forward(self, items: list[WorkItem]) -> torch.Tensor:
+    def forward(self, items: list[WorkItem], capture: tuple[int, ...] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """Run the items as one batch; returns float32 logits, one row per requested offset,
-        in item order then offset order."""
+        in item order then offset order. With `capture` (layer ids, see LlamaForCausalLM.forward), also
+        each item's features at all its tokens ([len(tokens), F] per item)."""
         fb, order = self.build_batch(items)
         timed = self.threads is not None and fb.mode is ForwardMode.DECODE
         if self.threads is not None:
             apply(self.threads.threads() if timed else self.threads.current)
         start = time.perf_counter()
         with fb.active():
-            logits = self.model(self.kv_pool)
+            out = self.model(self.kv_pool, capture)
         if timed:
             self.threads.record(time.perf_counter() - start, fb.num_tokens)
+        logits, features = out if capture else (out, None)
         # logits came out in extend-then-decode order; put them back in item order
-        return logits if order is None else logits[order]
+        logits = logits if order is None else logits[order]
+        if features is None:
+            return logits
+        return logits, self._per_item(items, features)
+
+    @staticmethod
+    def _per_item(items: list[WorkItem], flat: torch.Tensor) -> list[torch.Tensor]:
+        """Split flat per-token rows (extend items first, then decode items) back into item order."""
+        out: list[torch.Tensor] = [flat[:0]] * len(items)
+        start = 0
+        for i in sum(_flat_order(items), []):
+            n = len(items[i].tokens)
+            out[i] = flat[start : start + n]
+            start += n
+        return out
 
     @torch.inference_mode()
     def copy_kv(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
@@ -103,8 +124,7 @@ class ModelRunner:
             v[:, dst] = v[:, src]
 
     def build_batch(self, items: list[WorkItem]) -> tuple[ForwardBatch, torch.Tensor | None]:
-        dec = [i for i, it in enumerate(items) if it.mode is ForwardMode.DECODE]
-        ext = [i for i, it in enumerate(items) if it.mode is not ForwardMode.DECODE]
+        ext, dec = _flat_order(items)
         if any(len(items[i].tokens) != 1 for i in dec):
             raise ValueError("a DECODE work item computes exactly one token")
         ordered = ext + dec
@@ -115,7 +135,8 @@ class ModelRunner:
             it = items[i]
             n = len(it.tokens)
             ids.extend(it.tokens)
-            pos.append(torch.arange(it.cached_len, it.cached_len + n))
+            offsets = torch.arange(n) if it.tree is None else torch.tensor([0] + tree_depths(it.tree))
+            pos.append(it.cached_len + offsets)
             slots.append(table[it.row, it.cached_len : it.cached_len + n])
             logit_rows.extend(start + o for o in it.logit_offsets)
             item_of_row.extend([i] * len(it.logit_offsets))
@@ -128,7 +149,12 @@ class ModelRunner:
             kv_lens = torch.tensor([items[i].cached_len + len(items[i].tokens) for i in indices])
             q_lens = torch.tensor([len(items[i].tokens) for i in indices])
             kv_max = int(kv_lens.max())
-            return build_group(first, table[:, :kv_max][rows], kv_lens, q_lens, cascade=not self.batch_invariant)
+            trees = any(items[i].tree is not None for i in indices)
+            g = build_group(first, table[:, :kv_max][rows], kv_lens, q_lens,
+                            cascade=not self.batch_invariant and not trees)
+            if trees:
+                _tree_rows(g, [items[i] for i in indices], table)
+            return g
 
         ext_group = group(ext, 0)
         dec_group = group(dec, ext_group.num_tokens if ext_group else 0)
@@ -149,6 +175,48 @@ class ModelRunner:
         if ext and dec and item_of_row:
             order = torch.argsort(torch.tensor(item_of_row), stable=True)
         return fb, order
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each draft node (1 below the sampled token); parents come before their children."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def _tree_rows(g, items: list[WorkItem], table: torch.Tensor) -> None:
+    """Give each draft-tree node its own key row: the keys up to the sampled token, then its ancestors' and
+    its own slots (a tree mask over the paged KV: each node sees its ancestors only)."""
+    rows = [g.kv_slots]
+    extra = g.kv_slots.shape[0]
+    q_req, q_kv_lens = g.q_req.clone(), g.q_kv_lens.clone()
+    start = 0
+    for it in items:
+        if it.tree is not None:
+            own = table[it.row]
+            base = it.cached_len + 1  # keys up to and including the sampled token
+            for i in range(len(it.tree)):
+                chain = [i]
+                while chain[-1] >= 0 and it.tree[chain[-1]] >= 0:
+                    chain.append(it.tree[chain[-1]])
+                node_slots = own[[base + a for a in reversed(chain)]]
+                row = torch.cat([own[:base], node_slots])
+                rows.append(row)
+                q_req[start + 1 + i] = extra
+                q_kv_lens[start + 1 + i] = row.numel()
+                extra += 1
+        start += len(it.tokens)
+    width = max(r.shape[-1] for r in rows)
+    padded = [torch.nn.functional.pad(r.view(-1, r.shape[-1]), (0, width - r.shape[-1])) for r in rows]
+    g.kv_slots = torch.cat(padded)
+    g.q_req, g.q_kv_lens = q_req, q_kv_lens
+
+
+def _flat_order(items: list[WorkItem]) -> tuple[list[int], list[int]]:
+    """The items whose tokens come first in a batch (runs: extend, verify), then the one-token decodes."""
+    return ([i for i, it in enumerate(items) if it.mode is not ForwardMode.DECODE],
+            [i for i, it in enumerate(items) if it.mode is ForwardMode.DECODE])
 
 
 def _check_batch_invariant_kernels(kernels: dict[str, str]) -> None:

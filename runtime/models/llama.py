@@ -29,6 +29,7 @@ from plait.runtime.model_config import ModelConfig
 from plait.runtime.model_executor.forward_batch import current_batch
 
 WeightLoader = Callable[[torch.Tensor], None]
+FINAL_HIDDEN = -1  # in a capture list: the last hidden state after the final norm (what EAGLE heads read)
 
 
 def _copy_loader(param: nn.Parameter) -> WeightLoader:
@@ -126,16 +127,27 @@ class LlamaForCausalLM(nn.Module):
             m.finish_loading()
 
     @torch.inference_mode()
-    def forward(self, pool: KVPool) -> torch.Tensor:
-        """Logits (float32) at the active batch's `logits_rows`."""
+    def forward(self, pool: KVPool, capture: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits (float32) at the active batch's `logits_rows`. With `capture` (layer ids; FINAL_HIDDEN for
+        the last hidden state after the final norm), also the features a draft head reads, at every token:
+        [T, len(capture) * H], each layer's output (the residual stream after it) in `capture`'s order."""
         fb = current_batch()
         x = self.embed.embed(fb.input_ids).to(self.compute_dtype)
         cos, sin = self.rotary.tables(fb.positions)
-        for layer in self.layers:
+        taken: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, pool)
-        x = x[fb.logits_rows]
-        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        return self.lm_head(x, fb.batch_invariant).float()
+            if i in capture:
+                taken[i] = x.clone()  # later layers add into x in place
+        if FINAL_HIDDEN in capture:
+            x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+            taken[FINAL_HIDDEN] = x
+            logits = self.lm_head(x[fb.logits_rows], fb.batch_invariant).float()
+        else:
+            logits = self.lm_head(rms_norm(x[fb.logits_rows], self.norm, self.cfg.rms_norm_eps), fb.batch_invariant).float()
+        if not capture:
+            return logits
+        return logits, torch.cat([taken[i].float() for i in capture], dim=-1)
 
     def weight_loaders(self) -> dict[str, WeightLoader]:
         """HF tensor name -> the loader that puts it in place (the strict loader needs every one once)."""

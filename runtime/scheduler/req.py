@@ -39,11 +39,13 @@ class Req:
         self.close_plan: list[int] | None = None  # the grammar's last planned completion (closing.py)
         self.draft: list[int] = []  # drafted tokens at the end of output_ids, not yet verified
         self.draft_kind = ""  # what drafted them: "jump_forward" (the grammar) or "speculative"
+        self.draft_parents: list[int] | None = None  # a draft tree: the node each node follows (-1: last sampled)
+        self.verified_rows: list[int] | None = None  # rows of the last verify in position order (a tree's path first)
         self.ngram = None  # its NgramIndex, under --speculative-algorithm NGRAM
         self.spec_verify_ct = 0  # forwards that verified a speculative draft of this request
         self.spec_drafted = 0  # speculative draft tokens verified
         self.spec_accepted = 0  # of which the model kept
-        self.spec_accept_ema = 0.0  # recent draft tokens kept per verify (sizes the next draft)
+        self.spec_alpha: float | None = None  # per-token acceptance of recent drafts (sizes the next draft)
         self.row: int | None = None
         self.last_node = None
         self.cached_len = 0
@@ -66,16 +68,17 @@ class Req:
         self.pending_input_logprobs: list[tuple[float | None, int]] = []
         self.pending_input_top: list[list[tuple[float, int]] | None] = []
 
-    def set_draft(self, draft: list[int], kind: str) -> None:
-        """Append a draft to output_ids; the next forward computes it and the model verifies it."""
-        self.draft, self.draft_kind = draft, kind
+    def set_draft(self, draft: list[int], kind: str, parents: list[int] | None = None) -> None:
+        """Append a draft to output_ids (a tree's nodes, parents first, when `parents` is given); the next
+        forward computes it and the model verifies it."""
+        self.draft, self.draft_kind, self.draft_parents = draft, kind, parents
         self.output_ids.extend(draft)
 
     def drop_draft(self) -> None:
         """Forget an unverified draft (the request is being retracted or failed)."""
         if self.draft:
             del self.output_ids[-len(self.draft):]
-            self.draft = []
+            self.draft, self.draft_parents = [], None
 
     @property
     def fill_ids(self) -> list[int]:

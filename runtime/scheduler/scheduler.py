@@ -32,6 +32,8 @@ from plait.runtime.scheduler.kv_manager import KVManager
 from plait.runtime.scheduler.policy import fair_order, order_waiting
 from plait.runtime.scheduler.req import Req
 from plait.runtime.scheduler.spec_manager import SpecManager
+from plait.runtime.speculative.eagle import load_eagle_head
+from plait.runtime.speculative.eagle_worker import EagleDrafter
 from plait.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,21 @@ _RATIO_INIT, _RATIO_MIN, _RATIO_DECAY = 0.7, 0.1, 0.002
 # a waiting request sharing at least this many more tokens with one admitted in the same step
 # than with the cache waits one step, so it reuses that one's prefix instead of recomputing it
 _IN_BATCH_SHARE = 32
+
+
+def _drafter(args: ServerArgs, runner: ModelRunner) -> EagleDrafter | None:
+    """The EAGLE head beside the target, under --speculative-algorithm EAGLE or EAGLE3."""
+    if args.speculative_algorithm not in ("EAGLE", "EAGLE3"):
+        return None
+    head = load_eagle_head(args.speculative_draft_model_path, runner.config, runner.model)
+    if head.cfg.kind != args.speculative_algorithm:
+        raise ValueError(f"speculative_algorithm {args.speculative_algorithm} but the draft model at "
+                         f"{args.speculative_draft_model_path} is an {head.cfg.kind} head")
+    steps = min(args.speculative_num_steps or args.speculative_num_draft_tokens - 1,
+                args.speculative_num_draft_tokens - 1)
+    return EagleDrafter(head, runner.req_to_token.table, runner.kv_pool.num_slots,
+                        max(1, args.speculative_token_budget), steps, runner.context_length + 1,
+                        runner.kv_dtype, runner.config.hf_config, args.speculative_eagle_topk)
 
 
 class Scheduler:
@@ -66,7 +83,7 @@ class Scheduler:
         self.forward_passes = 0
         self.tokens_generated = 0
         self.grammars = GrammarManager(args, self.tokenizer, runner.config.vocab_size, sorted(eos))
-        self.spec = SpecManager(args, self.tokenizer, self.grammars)
+        self.spec = SpecManager(args, self.tokenizer, self.grammars, _drafter(args, runner), runner.req_to_token.table)
         self.limits = RuntimeLimits(self.context_length, runner.allocator.capacity, runner.config.vocab_size,
                                     sum(p.numel() * p.element_size() for p in runner.model.parameters()))
 
@@ -117,11 +134,18 @@ class Scheduler:
             return not self.idle
         items = [self._work_item(req, n, i >= len(prefill)) for i, (req, n) in enumerate(batch)]
         masks = self.grammars.start_masks([r for r, n in batch if r.cached_len + n == r.seq_len])
-        logits = self.runner.forward(items)
+        features = None
+        start = time.perf_counter()
+        if self.spec.capture:  # the draft head reads the target's features at every committed position
+            logits, features = self.runner.forward(items, self.spec.capture)
+        else:
+            logits = self.runner.forward(items)
+        if all(it.mode is not ForwardMode.EXTEND for it in items):  # what drafts are weighed against
+            self.spec.record_forward(sum(len(it.tokens) for it in items), time.perf_counter() - start)
         self.forward_passes += 1
         # drafts pay while a forward is bandwidth-bound: keep the next one within the token budgets
         self.spec.begin_step(len(self.running), len(self.waiting))
-        self._process(batch, items, logits, masks)
+        self._process(batch, items, logits, masks, features)
         self.new_token_ratio = max(_RATIO_MIN, self.new_token_ratio - _RATIO_DECAY)
         return True
 
@@ -233,10 +257,10 @@ class Scheduler:
             offsets.extend(range(n - 1 - len(req.draft), n))
         req.extend_len = n
         mode = ForwardMode.TARGET_VERIFY if req.draft else (ForwardMode.DECODE if decoding else ForwardMode.EXTEND)
-        return WorkItem(req.row, start, tokens, offsets, mode)
+        return WorkItem(req.row, start, tokens, offsets, mode, req.draft_parents if req.draft else None)
 
     def _process(self, batch: list[tuple[Req, int]], items: list[WorkItem], logits: torch.Tensor,
-                 masks: Future | None) -> None:
+                 masks: Future | None, features: list[torch.Tensor] | None = None) -> None:
         to_sample: list[tuple[Req, int]] = []
         to_verify: list[tuple[Req, int]] = []
         row = 0
@@ -261,8 +285,9 @@ class Scheduler:
             self._fail_request(req, "filling its grammar mask", e)
         to_sample = [(r, i) for r, i in to_sample if r.finish is None]
         to_verify = [(r, i) for r, i in to_verify if r.finish is None]
+        took: list[Req] = []  # requests that took tokens: they may draft for the next forward
         if to_sample:
-            self._sample(to_sample, logits, mask_rows)
+            took += self._sample(to_sample, logits, mask_rows)
         for req, first in to_verify:
             before = req.output_len - len(req.draft)
             with self._isolated(req, f"verifying its {req.draft_kind} draft"):
@@ -270,7 +295,14 @@ class Scheduler:
                                  self.context_length)
                 self.tokens_generated += req.output_len - before
                 self.kv.cache_prefix(req)  # only tokens the model confirmed
-                self.spec.plan(req, self.context_length)
+                took.append(req)
+        try:
+            self.spec.plan(took, batch, items, features, self.context_length)
+        except Exception:  # noqa: BLE001 - drafts only save time: a fault planning them costs this step its drafts
+            logger.exception("planning speculative drafts failed; this step drafts nothing")
+            for req in took:
+                if req.draft_kind == "speculative":
+                    req.drop_draft()
         self._reap()
 
     # ---- faults of one request --------------------------------------------------------
@@ -315,7 +347,8 @@ class Scheduler:
             req.input_logprobs_done = True
 
     def _sample(self, to_sample: list[tuple[Req, int]], logits: torch.Tensor,
-                masks: Masks | None) -> None:
+                masks: Masks | None) -> list[Req]:
+        """Sample each request's next token; returns the requests that took one."""
         rows = []
         for req, _ in to_sample:
             p = req.params
@@ -330,12 +363,14 @@ class Scheduler:
             self.grammars.apply(selected, reqs, masks)
         result = self._sample_isolated(selected, rows, reqs)
         settled = self.grammars.settle(selected, reqs, rows, result.next_ids, masks, self._fail_request)
+        took = []
         for k, (req, _) in enumerate(to_sample):
             if req.finish is not None:  # failed while sampling or settling
                 continue
             with self._isolated(req, "taking its sampled token"):
                 self._take_token(req, k, result, k in settled)
-                self.spec.plan(req, self.context_length)
+                took.append(req)
+        return took
 
     def _sample_isolated(self, logits: torch.Tensor, rows: list[SampleRow], reqs: list[Req]) -> SampleResult:
         """One batched sample; if it raises, sample row by row to find the culprit and fail only it
@@ -424,11 +459,16 @@ class Scheduler:
         if sum(len(p) - msg.fork_len for p in msg.parts) + msg.fork_len > self.context_length:
             return {"reason": "the joined text is longer than the context length"}
         join_id = msg.req_id
-        res = self.kv.join(msg.parts, msg.fork_len, tuple(msg.kv_joins), join_id, self.runner.copy_kv)
+        res = self.kv.join(msg.parts, msg.fork_len, tuple(msg.kv_joins), join_id, self._copy_kv)
         if not res.ok:
             return {"reason": res.reason}
         self.num_kv_joins += 1
         return {"join_id": join_id, "input_ids": res.input_ids, "reused": res.reused}
+
+    def _copy_kv(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
+        self.runner.copy_kv(src, dst, shift)
+        if self.spec.drafter is not None:  # the draft head's K/V live at the same slots
+            self.spec.drafter.copy_kv(src, dst, shift)
 
     # ---- introspection --------------------------------------------------------------
     def flush_cache(self) -> bool:

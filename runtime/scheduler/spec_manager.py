@@ -3,8 +3,9 @@
 A draft is tokens appended to a request's output that the next forward computes in one extend,
 with logits at the last sampled token and at every draft position. Two kinds plan them:
 - jump-forward (`jump_forward`): the grammar's forced text (GrammarManager plans it);
-- speculative (`speculative`): a guess with no guarantee, here NGRAM prompt lookup
-  (runtime/speculative/ngram.py), cut to what the request's grammar allows.
+- speculative (`speculative`): a guess with no guarantee, cut to what the request's grammar allows:
+  EAGLE / EAGLE3, a small head over the target's features (runtime/speculative/eagle_worker.py), or
+  NGRAM prompt lookup (runtime/speculative/ngram.py).
 
 Verification is the same for both: the model picks a token at each position exactly as it would
 have decoding one token per step (the same sampler, the same per-request generator, one draw per
@@ -17,73 +18,157 @@ sequence's end, which the next tokens overwrite; only kept tokens reach the radi
 Adaptive: drafts may add at most `--speculative-token-budget` rows to a forward, less one per
 running request (on a CPU a forward of a few rows costs about what one row costs; past ~10 rows it
 is compute-bound and drafts stop paying), so a full batch drafts nothing, nor does a step while
-requests wait to be admitted (their prefill fills the next forward). Each request's draft is
-sized by what it kept lately: about twice its recent kept length, plus one.
+requests wait to be admitted (their prefill fills the next forward). Within that, how many draft
+tokens pay is measured (runtime/speculative/cost.py): each request's per-token acceptance against
+the measured time of forwards by row count and of draft steps. An EAGLE head still reads every
+committed position when nothing drafts (its K/V must be complete when drafting resumes).
 """
 
 from __future__ import annotations
 
-import math
+import time
 
 import torch
 
+from plait.runtime.model_executor.model_runner import tree_depths
 from plait.runtime.scheduler.grammar_manager import GrammarManager, Masks
 from plait.runtime.scheduler.req import Req
 from plait.runtime.server_args import ServerArgs
+from plait.runtime.speculative.cost import RowCost, choose_sizes
+from plait.runtime.speculative.eagle_worker import DraftSeed, EagleDrafter, ExtendRun
 from plait.runtime.speculative.ngram import NgramIndex
 from plait.runtime.speculative.verify import walk_draft
 
-_EMA = 0.5  # weight of the latest verify in a request's kept-length average
+_EMA = 0.3  # weight of the latest verify in a request's per-token acceptance
+_ALPHA_PRIOR = 0.7  # per-token acceptance assumed before a request's first verify
 
 
 class SpecManager:
-    def __init__(self, args: ServerArgs, tokenizer, grammars: GrammarManager):
+    def __init__(self, args: ServerArgs, tokenizer, grammars: GrammarManager, drafter: EagleDrafter | None = None,
+                 table: torch.Tensor | None = None):
         self.args, self.tokenizer, self.grammars = args, tokenizer, grammars
         self.algorithm = args.speculative_algorithm
-        self.max_draft = args.speculative_num_draft_tokens - 1
+        self.drafter, self.table = drafter, table
+        self.topk = args.speculative_eagle_topk if drafter is not None else 1
+        self.max_nodes = args.speculative_num_draft_tokens - 1  # draft tokens one verify may hold
+        self.max_draft = min(args.speculative_num_steps or self.max_nodes, self.max_nodes)  # chain length / tree depth
         self.budget = 0  # speculative draft tokens this step may still add
+        self.base_rows = 0  # rows the next forward holds without drafts
+        self.cost = RowCost()
+        self.step_seconds = 0.0  # an EAGLE draft step's running mean wall time
         self.drafted = {"jump_forward": 0, "speculative": 0}  # draft tokens verified, by kind
         self.kept = {"jump_forward": 0, "speculative": 0}  # of which the model kept
         self.spec_verifies = 0  # forwards' verifications of speculative drafts (one per request)
+
+    @property
+    def capture(self) -> tuple[int, ...]:
+        """The target layers whose features the draft head reads (none without a head)."""
+        return self.drafter.capture if self.drafter is not None else ()
 
     def begin_step(self, running: int, waiting: int) -> None:
         """Budgets for the drafts planned after this step's forward (they join the next one). No speculative
         drafts while requests wait: their prefill makes the next forward compute-bound anyway."""
         self.budget = 0 if waiting else max(0, self.args.speculative_token_budget - running)
+        self.base_rows = running
         self.grammars.draft_budget = max(0, self.args.jump_forward_token_budget - running)
 
     # ---- planning ------------------------------------------------------------------------
-    def plan(self, req: Req, context_length: int) -> None:
-        """After `req` took its tokens: a speculative draft, where nothing else was drafted."""
+    def plan(self, took: list[Req], batch: list[tuple[Req, int]], items: list, features: list | None,
+             context_length: int) -> None:
+        """After the step's tokens are committed: speculative drafts for the requests in `took` (those that
+        took tokens) that drafted nothing else. An EAGLE head first reads every committed position of the
+        batch (`features`: the target's, per work item)."""
+        caps = {req: self._cap(req, context_length) for req in took}
+        cands = [req for req, cap in caps.items() if cap > 0]
+        chosen = choose_sizes(self.cost, self.base_rows, [r.spec_alpha for r in cands], [caps[r] for r in cands],
+                              self.budget, self.step_seconds)
+        sizes = {req: n for req, n in zip(cands, chosen) if n > 0}
+        self.budget -= sum(sizes.values())
+        trees: dict[Req, tuple[list[int], list[int]]] = {}
+        if self.drafter is not None:
+            drafts, trees = self._eagle_drafts(batch, items, features, sizes, context_length)
+        else:
+            drafts = {req: req.ngram.propose(req.fill_ids, size) for req, size in sizes.items()}
+        for req, draft in drafts.items():
+            if draft and req.grammar is not None:
+                draft = self.grammars.admissible(req, draft)
+            self.budget += sizes[req] - len(draft)
+            if draft:
+                req.set_draft(draft, "speculative")
+        for req, (tokens, parents) in trees.items():
+            self.budget += sizes[req] - len(tokens)
+            req.set_draft(tokens, "speculative", parents)
+
+    def _cap(self, req: Req, context_length: int) -> int:
+        """The most tokens `req` may draft now (0: none); `choose_sizes` decides how many pay."""
         if self.algorithm is None or req.finish is not None or req.draft or self.budget <= 0:
-            return
+            return 0
         if req.grammar is not None and (req.return_logprob or req.params.has_penalties):
-            return  # constrained picks over a draft are masked per position: no per-token logprobs or penalties
+            return 0  # constrained picks over a draft are masked per position: no per-token logprobs or penalties
+        if req.spec_alpha is None:
+            req.spec_alpha = _ALPHA_PRIOR
+            if self.algorithm == "NGRAM":
+                req.ngram = NgramIndex(self.args.speculative_ngram_min_match_window_size,
+                                       self.args.speculative_ngram_max_match_window_size)
         left = min(req.params.max_new_tokens - req.output_len, context_length - req.seq_len) - 1
-        size = min(self.max_draft, self.budget, left, 1 + math.ceil(2 * req.spec_accept_ema))
-        if size <= 0:
-            return
-        if req.ngram is None:
-            req.ngram = NgramIndex(self.args.speculative_ngram_min_match_window_size,
-                                   self.args.speculative_ngram_max_match_window_size)
-            req.spec_accept_ema = self.max_draft / 2  # optimistic until measured
-        draft = req.ngram.propose(req.fill_ids, size)
-        if draft and req.grammar is not None:
-            draft = self.grammars.admissible(req, draft)
-        if draft:
-            self.budget -= len(draft)
-            req.set_draft(draft, "speculative")
+        return max(0, min(self.max_nodes if self._tree(req) else self.max_draft, left))
+
+    def record_forward(self, rows: int, seconds: float) -> None:
+        """The wall time of a forward of decode and verify rows only (the cost drafts are weighed by)."""
+        self.cost.record(rows, seconds)
+
+    def _tree(self, req: Req) -> bool:
+        """Whether `req` drafts a tree (EAGLE with top-k > 1; a grammar cuts chains only)."""
+        return self.topk > 1 and req.grammar is None
+
+    def _eagle_drafts(self, batch: list[tuple[Req, int]], items: list, features: list, sizes: dict[Req, int],
+                      context_length: int) -> tuple[dict[Req, list[int]], dict[Req, tuple[list[int], list[int]]]]:
+        """(chains, trees): the head first reads every position this forward committed."""
+        runs, owners = [], []
+        for (req, _), item, feats in zip(batch, items, features):
+            count = req.cached_len - item.cached_len  # positions this forward committed
+            if req.verified_rows is not None:  # a tree's kept path, in position order
+                feats = feats[req.verified_rows]
+                req.verified_rows = None
+            if count <= 0 or (req.finish is not None and req.finish.type == "abort"):
+                continue
+            # a finished request's positions too: a later request may reuse them from the radix cache
+            nxt = req.fill_ids[item.cached_len + 1 : item.cached_len + count + 1]
+            runs.append(ExtendRun(req.row, item.cached_len, feats[: len(nxt)], nxt, req in sizes))
+            owners.append(req)
+        seeds: dict[bool, list] = {False: [], True: []}
+        drafting: dict[bool, list[Req]] = {False: [], True: []}
+        for req, out in zip(owners, self.drafter.extend(runs)):
+            if out is not None:
+                tree = self._tree(req)
+                seeds[tree].append(DraftSeed(req.row, req.cached_len, *out))
+                drafting[tree].append(req)
+        start = time.perf_counter()
+        chain_sizes = [sizes[r] for r in drafting[False]]
+        chains = dict(zip(drafting[False], self.drafter.draft(seeds[False], chain_sizes)))
+        depth = [min(self.max_draft, req.params.max_new_tokens - req.output_len - 1, context_length - req.seq_len - 1)
+                 for req in drafting[True]]
+        trees = dict(zip(drafting[True], self.drafter.draft_tree(seeds[True], [sizes[r] for r in drafting[True]],
+                                                                 depth, self.topk)))
+        steps = max(chain_sizes + depth, default=0)
+        if steps:
+            took = (time.perf_counter() - start) / steps
+            self.step_seconds = took if not self.step_seconds else (1 - _EMA) * self.step_seconds + _EMA * took
+        return {req: chains.get(req, []) for req in sizes if req not in trees}, trees
 
     # ---- verification --------------------------------------------------------------------
     def verify(self, req: Req, rows: torch.Tensor, masks: Masks | None, eos_ids: set[int],
                context_length: int) -> None:
         """rows: logits at the last sampled token and at each draft position (1 + len(draft))."""
-        draft, kind = req.draft, req.draft_kind
+        draft, kind, parents = req.draft, req.draft_kind, req.draft_parents
         logprobs = None
         if req.grammar is not None:
             kept, tok, accepted = self.grammars.pick_verified(req, rows, masks)
         else:
-            kept, tok, logprobs = walk_draft(req, rows, eos_ids)
+            path, tok, logprobs = walk_draft(req, rows, eos_ids, parents)
+            if parents is not None:
+                self._linearize(req, path)
+            kept = len(path)
             accepted = False
         self.drafted[kind] += len(draft)
         self.kept[kind] += kept
@@ -92,8 +177,24 @@ class SpecManager:
             req.spec_verify_ct += 1
             req.spec_drafted += len(draft)
             req.spec_accepted += kept
-            req.spec_accept_ema = (1 - _EMA) * req.spec_accept_ema + _EMA * kept
+            # per-token acceptance of this verify: kept tokens over the tokens tried (the miss counts, if any)
+            deepest = len(draft) if parents is None else max(tree_depths(parents))
+            tried = kept + (1 if kept < deepest else 0)
+            req.spec_alpha = (1 - _EMA) * req.spec_alpha + _EMA * (kept / tried if tried else 0.0)
         self._commit(req, kept, tok, logprobs, accepted, eos_ids, context_length)
+
+    def _linearize(self, req: Req, path: list[int]) -> None:
+        """Put a tree's kept path first: its nodes' tokens and KV slots (each computed at its depth's position)
+        move to the positions right after the sampled token, so the kept run is an ordinary prefix."""
+        n = len(req.draft)
+        order = path + [i for i in range(n) if i not in set(path)]
+        first = req.seq_len - n  # position of the first draft node
+        slots = self.table[req.row, first : first + n]
+        slots.copy_(slots[order].clone())
+        req.draft = [req.draft[i] for i in order]
+        req.output_ids[-n:] = req.draft
+        req.draft_parents = None
+        req.verified_rows = [0] + [1 + i for i in order]
 
     def _commit(self, req: Req, kept: int, tok: int, logprobs, accepted: bool, eos_ids: set[int],
                 context_length: int) -> None:
@@ -124,10 +225,15 @@ class SpecManager:
         spec = self.drafted["speculative"]
         return {
             "tokens_jumped": self.kept["jump_forward"], "tokens_drafted": self.drafted["jump_forward"],
-            "spec_algorithm": self.algorithm, "spec_verifies": self.spec_verifies,
+            "spec_algorithm": self.algorithm, "spec_max_draft_tokens": self.max_draft if self.algorithm else None,
+            "spec_draft_head": None if self.drafter is None else {
+                "kind": self.drafter.head.cfg.kind, "draft_vocab_size": self.drafter.head.cfg.draft_vocab_size,
+                "aux_layer_ids": list(self.drafter.head.cfg.aux_layer_ids)},
+            "spec_verifies": self.spec_verifies,
             "spec_draft_tokens": spec, "spec_accepted_tokens": self.kept["speculative"],
             "spec_accept_rate": round(self.kept["speculative"] / spec, 4) if spec else None,
             # tokens each verify yields: the kept draft and the model's own next token
             "spec_accept_length": round(1 + self.kept["speculative"] / self.spec_verifies, 4)
             if self.spec_verifies else None,
         }
+

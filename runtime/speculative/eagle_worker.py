@@ -1,0 +1,208 @@
+"""EagleDrafter: an EAGLE head running beside the target, on the target's request table.
+
+The head has one attention layer and keeps its own K/V in a one-layer pool indexed by the target's KV
+slots: the head's K/V for position p of a request lives at the slot where the target keeps that
+position's K/V. So the radix cache shares the head's K/V with the target's (a cached prefix carries
+both), and freeing a slot frees both.
+
+Two calls per step:
+- `extend`: after each target forward, the head runs over every position the target just committed
+  (prompt chunks, decoded tokens, kept draft tokens), reading the target's feature at p and the token
+  at p + 1, and writes its K/V at their slots. Its output at a request's last committed position
+  predicts the token after the one just sampled: the first draft token.
+- `draft`: further steps feed the head its own output. Their K/V are guesses, so they go to scratch
+  slots past the pool's end (not the request's slots); each step attends to the committed positions
+  plus the scratch of its own earlier steps. Drafts are greedy (the head's argmax): a deterministic
+  draft, which verification keeps or cuts without changing what the target generates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from plait.kernels.cpu_attention import paged_attention
+from plait.kernels.cpu_fused import rope_store
+from plait.radix_cache.memory_pool import KVPool
+from plait.runtime.layers.rotary import RotaryEmbedding
+from plait.runtime.models.llama import FINAL_HIDDEN
+from plait.runtime.speculative.eagle import EagleHead
+
+
+@dataclass
+class ExtendRun:
+    """Positions [start, start + len(next_tokens)) of one request, just committed by the target."""
+
+    row: int  # the request's row in the req->token table
+    start: int
+    features: torch.Tensor  # [n, feature_size] the target's features at those positions
+    next_tokens: list[int]  # the token at p + 1 for each position p
+    want_draft: bool  # keep the head's output at the last position (the request drafts next)
+
+
+@dataclass
+class DraftSeed:
+    """Where one request's draft starts: the head's output and logits at its last committed position."""
+
+    row: int
+    committed: int  # positions with committed K/V (the sampled token sits at position `committed`)
+    hidden: torch.Tensor  # [H]
+    logits: torch.Tensor  # [draft vocab]
+
+
+class EagleDrafter:
+    def __init__(self, head: EagleHead, table: torch.Tensor, num_slots: int, max_drafts: int, max_steps: int,
+                 max_positions: int, kv_dtype: torch.dtype, rope_config=None, topk: int = 1):
+        cfg = head.cfg
+        self.head, self.table = head, table
+        self.capture = cfg.aux_layer_ids if head.eagle3 else (FINAL_HIDDEN,)
+        self.max_steps = max_steps
+        self.scratch = num_slots  # first scratch slot; scratch_size of them follow
+        self.scratch_size = max_drafts * max_steps * topk
+        self.pool = KVPool(num_slots + self.scratch_size, 1, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        self.rotary = RotaryEmbedding(rope_config, cfg.head_dim, cfg.rope_theta, max_positions, torch.float32)
+        self.scale = cfg.head_dim ** -0.5
+        self.max_drafts = max_drafts
+
+    def _step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, store: torch.Tensor,
+              kv_slots: torch.Tensor, lens: torch.Tensor, q_rows: torch.Tensor) -> torch.Tensor:
+        """One pass of the head's layer: K/V stored at `store`, query t attends to kv_slots[q_rows[t], :lens[t]]."""
+        cfg, head = self.head.cfg, self.head
+        qkv, residual = head.layer_input(head.embed_tokens(tokens), head.fuse(hidden))
+        cos, sin = self.rotary.tables(positions)
+        q = rope_store(qkv.contiguous(), cos, sin, cfg.num_heads, cfg.num_kv_heads, self.pool.k[0], self.pool.v[0],
+                       store)
+        t = q.shape[0]
+        groups = cfg.num_heads // cfg.num_kv_heads
+        out, _ = paged_attention(q.view(t, cfg.num_kv_heads, groups, cfg.head_dim), self.pool.k[0], self.pool.v[0],
+                                 kv_slots, lens, self.scale, q_rows)
+        return head.layer_output(out.reshape(t, cfg.num_heads * cfg.head_dim), residual)
+
+    @torch.inference_mode()
+    def extend(self, runs: list[ExtendRun]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """The head over committed positions; for each run that wants a draft, (hidden, logits) at its last."""
+        runs_ = [r for r in runs if r.next_tokens]
+        if not runs_:
+            return [None] * len(runs)
+        counts = torch.tensor([len(r.next_tokens) for r in runs_])
+        positions = torch.cat([torch.arange(r.start, r.start + len(r.next_tokens)) for r in runs_])
+        rows = torch.tensor([r.row for r in runs_])
+        q_rows = torch.repeat_interleave(torch.arange(len(runs_)), counts)
+        store = self.table[rows[q_rows], positions]
+        kv_slots = self.table[rows, : int(positions.max()) + 1]
+        tokens = torch.tensor([t for r in runs_ for t in r.next_tokens], dtype=torch.int64)
+        hidden = torch.cat([r.features for r in runs_])
+        h = self._step(tokens, hidden, positions, store, kv_slots, positions + 1, q_rows)
+        last = torch.cumsum(counts, 0) - 1
+        wanted = [i for i, r in enumerate(runs_) if r.want_draft]
+        logits = self.head.logits(h[last[wanted]]) if wanted else None
+        found = {id(runs_[i]): (h[last[i]], logits[k]) for k, i in enumerate(wanted)}
+        return [found.get(id(r)) for r in runs]
+
+    @torch.inference_mode()
+    def draft(self, seeds: list[DraftSeed], sizes: list[int]) -> list[list[int]]:
+        """Greedy drafts of sizes[b] tokens (b < max_drafts, sizes within max_steps) in target ids."""
+        if not seeds:
+            return []
+        head = self.head
+        drafts = [[int(head.to_target(s.logits.argmax()).item())] for s in seeds]
+        steps = max(sizes)
+        committed = torch.tensor([s.committed for s in seeds])
+        rows = torch.tensor([s.row for s in seeds])
+        kv_slots = self.table[rows, : int(committed.max()) + steps].clone()
+        hidden = torch.stack([s.hidden for s in seeds])
+        for s in range(1, steps):
+            active = [b for b, n in enumerate(sizes) if n > s]
+            if not active:
+                break
+            idx = torch.tensor(active)
+            positions = committed[idx] + s - 1
+            store = self.scratch + idx * self.max_steps + (s - 1)
+            kv_slots[idx, positions] = store
+            tokens = torch.tensor([drafts[b][-1] for b in active], dtype=torch.int64)
+            h = self._step(tokens, hidden[idx], positions, store, kv_slots[idx], positions + 1,
+                           torch.arange(len(active)))
+            picks = head.to_target(head.logits(h).argmax(-1)).tolist()
+            for k, b in enumerate(active):
+                drafts[b].append(picks[k])
+            hidden[idx] = h
+        return [d[:n] for d, n in zip(drafts, sizes)]
+
+    @torch.inference_mode()
+    def draft_tree(self, seeds: list[DraftSeed], sizes: list[int], depth: list[int], topk: int
+                   ) -> list[tuple[list[int], list[int]]]:
+        """EAGLE-2 dynamic trees: from each seed the `topk` likeliest tokens; then, step by step down to
+        depth[b], the `topk` nodes of the deepest level with the highest cumulative draft log-probability are
+        expanded by one head pass each, their children scored. The tree is the sizes[b] best nodes overall (by
+        cumulative log-probability, a node only after its parent). Returns (tokens, parents) per seed, in
+        target ids, parents before children (-1: the sampled token)."""
+        if not seeds:
+            return []
+        head = self.head
+        # per request: candidates (score, depth, token, parent candidate); frontier: (b, candidate, hidden, chain)
+        cands: list[list[tuple[float, int, int, int]]] = [[] for _ in seeds]
+        frontier = []
+        logp = torch.log_softmax(torch.stack([s.logits for s in seeds]).float(), -1)
+        vals, ids = logp.topk(topk, -1)
+        toks = head.to_target(ids).tolist()
+        for b, seed in enumerate(seeds):
+            for k in range(topk):
+                cands[b].append((float(vals[b, k]), 1, toks[b][k], -1))
+                frontier.append((b, len(cands[b]) - 1, seed.hidden, []))
+        for d in range(2, max(depth) + 1):
+            frontier = [f for f in frontier if depth[f[0]] >= d]
+            if not frontier:
+                break
+            positions = torch.tensor([seeds[b].committed + d - 2 for b, *_ in frontier])
+            local = [sum(1 for f in frontier[:j] if f[0] == b) for j, (b, *_) in enumerate(frontier)]
+            # scratch slot of (request b, level d, frontier node k): unique within this draft
+            store = torch.tensor([self.scratch + (b * self.max_steps + d - 2) * topk + k
+                                  for k, (b, *_) in zip(local, frontier)])
+            rows = [torch.cat([self.table[seeds[b].row, : seeds[b].committed], torch.tensor(chain, dtype=torch.int64),
+                               store[j : j + 1]]) for j, (b, _, _, chain) in enumerate(frontier)]
+            width = max(r.numel() for r in rows)
+            kv_slots = torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])
+            tokens = torch.tensor([cands[b][c][2] for b, c, _, _ in frontier], dtype=torch.int64)
+            hidden = torch.stack([h for _, _, h, _ in frontier])
+            h = self._step(tokens, hidden, positions, store, kv_slots, positions + 1, torch.arange(len(frontier)))
+            logp = torch.log_softmax(head.logits(h), -1)
+            vals, ids = logp.topk(topk, -1)
+            toks = head.to_target(ids).tolist()
+            children: dict[int, list] = {}
+            for j, (b, c, _, chain) in enumerate(frontier):
+                for k in range(topk):
+                    cands[b].append((cands[b][c][0] + float(vals[j, k]), d, toks[j][k], c))
+                    children.setdefault(b, []).append((cands[b][-1][0], len(cands[b]) - 1, h[j], chain + [int(store[j])]))
+            frontier = [(b, c, hj, chain) for b, kids in children.items()
+                        for _, c, hj, chain in sorted(kids, key=lambda x: -x[0])[:topk]]
+        return [_best_tree(cands[b], sizes[b]) for b in range(len(seeds))]
+
+    def copy_kv(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
+        """The head's K/V follow a KV join like the target's (keys moved on by `shift` positions)."""
+        k, v = self.pool.k[0], self.pool.v[0]
+        k[:, dst] = self.rotary.shift_keys(k[:, src], shift).to(k.dtype)
+        v[:, dst] = v[:, src]
+
+
+def _best_tree(cands: list[tuple[float, int, int, int]], size: int) -> tuple[list[int], list[int]]:
+    """The `size` candidates with the highest cumulative log-probability, each only after its parent (so the
+    set is a tree), as (tokens, parents) with parents indexing the chosen list (-1: the root)."""
+    chosen: dict[int, int] = {}  # candidate -> its index in the tree
+    tokens, parents = [], []
+    pending = sorted(range(len(cands)), key=lambda i: (-cands[i][0], cands[i][1]))
+    progress = True
+    while len(tokens) < size and progress:
+        progress = False
+        for i in pending:
+            if i in chosen:
+                continue
+            parent = cands[i][3]
+            if parent >= 0 and parent not in chosen:
+                continue
+            chosen[i] = len(tokens)
+            tokens.append(cands[i][2])
+            parents.append(-1 if parent < 0 else chosen[parent])
+            progress = True
+            break
+    return tokens, parents
