@@ -32,7 +32,7 @@ WeightLoader = Callable[[torch.Tensor], None]
 FINAL_HIDDEN = -1  # in a capture list: the last hidden state after the final norm (what EAGLE heads read)
 
 
-def _copy_loader(param: nn.Parameter) -> WeightLoader:
+def copy_loader(param: nn.Parameter) -> WeightLoader:
     def load(tensor: torch.Tensor) -> None:
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(f"shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
@@ -66,8 +66,8 @@ class DecoderLayer(nn.Module):
     def weight_loaders(self) -> dict[str, WeightLoader]:
         p = f"model.layers.{self.layer_id}."
         out: dict[str, WeightLoader] = {
-            p + "input_layernorm.weight": _copy_loader(self.input_norm),
-            p + "post_attention_layernorm.weight": _copy_loader(self.post_norm),
+            p + "input_layernorm.weight": copy_loader(self.input_norm),
+            p + "post_attention_layernorm.weight": copy_loader(self.post_norm),
             p + "self_attn.o_proj.weight": self.o_proj.weight_loader,
             p + "mlp.down_proj.weight": self.down_proj.weight_loader,
         }
@@ -78,8 +78,8 @@ class DecoderLayer(nn.Module):
         for x in ("gate", "up"):
             out[p + f"mlp.{x}_proj.weight"] = functools.partial(self.gate_up_proj.weight_loader, shard=x)
         if self.q_norm is not None:
-            out[p + "self_attn.q_norm.weight"] = _copy_loader(self.q_norm)
-            out[p + "self_attn.k_norm.weight"] = _copy_loader(self.k_norm)
+            out[p + "self_attn.q_norm.weight"] = copy_loader(self.q_norm)
+            out[p + "self_attn.k_norm.weight"] = copy_loader(self.k_norm)
         return out
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool) -> torch.Tensor:
@@ -153,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         """HF tensor name -> the loader that puts it in place (the strict loader needs every one once)."""
         loaders: dict[str, WeightLoader] = {
             "model.embed_tokens.weight": self.embed.weight_loader,
-            "model.norm.weight": _copy_loader(self.norm),
+            "model.norm.weight": copy_loader(self.norm),
         }
         if self.lm_head is not self.embed:
             loaders["lm_head.weight"] = self.lm_head.weight_loader

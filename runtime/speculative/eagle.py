@@ -18,6 +18,7 @@ Inference multiplies through plait's linear layers (C kernels); training through
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from torch import nn
 from plait.kernels.cpu_fused import rms_norm, silu_mul
 from plait.runtime.layers.linear import Linear, MergedColumnLinear, QKVLinear, RowLinear, UnquantizedMethod, VocabEmbedding
 from plait.runtime.model_config import ModelConfig
+from plait.runtime.models.llama import copy_loader
 
 ARCHITECTURES = {"LlamaForCausalLMEagle": "EAGLE", "LlamaForCausalLMEagle3": "EAGLE3"}
 KINDS = {v: k for k, v in ARCHITECTURES.items()}
@@ -189,13 +191,11 @@ class EagleHead(nn.Module):
 
     def weight_loaders(self) -> dict:
         """Checkpoint tensor name (SGLang's, without a `model.` prefix) -> loader."""
-        import functools
-
         p = "midlayer." if self.eagle3 else "layers.0."
         out = {"fc.weight": self.fc.weight_loader,
                p + "self_attn.o_proj.weight": self.o_proj.weight_loader,
                p + "mlp.down_proj.weight": self.down_proj.weight_loader,
-               p + "post_attention_layernorm.weight": _copy(self.post_norm)}
+               p + "post_attention_layernorm.weight": copy_loader(self.post_norm)}
         if self.fc.bias is not None:
             out["fc.bias"] = self.fc.bias_loader
         for x in "qkv":
@@ -203,8 +203,8 @@ class EagleHead(nn.Module):
         for x in ("gate", "up"):
             out[p + f"mlp.{x}_proj.weight"] = functools.partial(self.gate_up_proj.weight_loader, shard=x)
         if self.eagle3:
-            out.update({p + "input_layernorm.weight": _copy(self.input_norm),
-                        p + "hidden_norm.weight": _copy(self.hidden_norm), "norm.weight": _copy(self.norm),
+            out.update({p + "input_layernorm.weight": copy_loader(self.input_norm),
+                        p + "hidden_norm.weight": copy_loader(self.hidden_norm), "norm.weight": copy_loader(self.norm),
                         "lm_head.weight": self.lm_head.weight_loader, "d2t": self._load_d2t})
         if self.own_embed:
             out["embed_tokens.weight"] = self.embed.weight_loader
@@ -245,14 +245,6 @@ class EagleHead(nn.Module):
             t2d[torch.arange(self.cfg.draft_vocab_size) + self.d2t] = True
             tensors["t2d"] = t2d
         return tensors
-
-
-def _copy(param: nn.Parameter):
-    def load(t: torch.Tensor) -> None:
-        if tuple(t.shape) != tuple(param.shape):
-            raise ValueError(f"shape {tuple(t.shape)} does not fit {tuple(param.shape)}")
-        param.data.copy_(t)
-    return load
 
 
 # tensors a head's checkpoint may carry that plait does not need
