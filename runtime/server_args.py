@@ -98,6 +98,11 @@ class ServerArgs:
     speculative_token_budget: int = _arg(
         12, "speculative drafts may grow a forward up to this many rows, less one per running request (past ~10 "
         "rows a CPU forward is compute-bound, so a busy batch drafts nothing; raise it on GPUs)")
+    speculative_draft_policy: str = _arg(
+        "measured", "measured: per request, the draft length that maximises expected tokens per second from the "
+        "measured forward cost by row count and the request's acceptance (README: Speculative decoding); fixed: "
+        "every request drafts its most each step (SGLang's policy), within --speculative-token-budget",
+        ["measured", "fixed"])
     log_level: str = _arg("info", "logging level", ["debug", "info", "warning", "error"])
     # ---- serving ----
     host: str = _arg("127.0.0.1", "HTTP bind address")
@@ -190,6 +195,11 @@ class ServerArgs:
         quantization = self.quantization
         if quantization == "auto" and (self.dtype != "auto" or not _c_kernels()):
             quantization = "none"
+        # a grammar compiles against the tokenizer's vocabulary: without one, auto means none (a constrained
+        # request is then refused with a 400), an explicit backend stays an error at start-up
+        grammar_backend = self.grammar_backend
+        if grammar_backend == "auto" and self.skip_tokenizer_init:
+            grammar_backend = "none"
         draft = self.speculative_draft_model_path
         if draft is None and self.speculative_algorithm in ("EAGLE", "EAGLE3"):
             if self.model_path is not None:
@@ -198,7 +208,7 @@ class ServerArgs:
             draft = default_draft_path()
         return dataclasses.replace(
             self, model_path=self.model_path or default_model_path(), device=device, dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype, quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype, quantization=quantization, grammar_backend=grammar_backend,
             api_key=self._resolved_api_key(), api_key_file=None, speculative_draft_model_path=draft,
             speculative_num_steps=self.speculative_num_steps or self.speculative_num_draft_tokens - 1,
         )

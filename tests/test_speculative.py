@@ -95,10 +95,14 @@ def test_verification_samples_the_models_distribution(shape):
 
 
 # ---- the real model --------------------------------------------------------------------------
-# EAGLE3: the head shipped for the default model, drafting chains; EAGLE3-tree: trees of top-4 expansions
+# EAGLE3: the head shipped for the default model, drafting chains sized by the measured policy (the default);
+# EAGLE3-tree: trees of top-4 expansions. NGRAM and the trees draft their most every step (the fixed policy), so
+# what they keep depends on the drafts alone, not on this machine's timings
 ALGORITHMS = ["NGRAM", "EAGLE3", "EAGLE3-tree"]
-_FLAGS = {"NGRAM": {"speculative_algorithm": "NGRAM"}, "EAGLE3": {"speculative_algorithm": "EAGLE3"},
-          "EAGLE3-tree": {"speculative_algorithm": "EAGLE3", "speculative_eagle_topk": 4}}
+_FLAGS = {"NGRAM": {"speculative_algorithm": "NGRAM", "speculative_draft_policy": "fixed"},
+          "EAGLE3": {"speculative_algorithm": "EAGLE3"},
+          "EAGLE3-tree": {"speculative_algorithm": "EAGLE3", "speculative_eagle_topk": 4,
+                          "speculative_draft_policy": "fixed"}}
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +144,12 @@ def test_drafted_outputs_are_token_identical(engines, batch, n):
         assert g["output_ids"] == r["output_ids"], (r["text"], g["text"])
     info = spec.get_server_info()
     kept = info["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-    # at batch 8 the measured row cost (batch-invariant kernels here) holds drafts back: some are still kept
-    share = 0.1 if batch == 1 else 0.0
-    assert info["spec_verifies"] > before["spec_verifies"] and kept > share * sum(len(g["output_ids"]) for g in got)
-    # NGRAM copies long runs of these repeat-and-rewrite tasks; the small EAGLE-3 head keeps less per verify
-    longest = max(g["meta_info"].get("spec_accept_length", 0) for g in got)
-    floor = 2 if spec.args.speculative_algorithm == "NGRAM" else (1.4 if batch == 1 else 1.0)
-    assert longest > floor, longest
+    assert info["spec_verifies"] > before["spec_verifies"] and kept > 0
+    if spec.args.speculative_draft_policy == "fixed" and batch == 1:  # what is kept depends on the drafts alone
+        assert kept > 0.1 * sum(len(g["output_ids"]) for g in got)
+        # NGRAM copies long runs of these repeat-and-rewrite tasks; the small EAGLE-3 head keeps less per verify
+        longest = max(g["meta_info"].get("spec_accept_length", 0) for g in got)
+        assert longest > (2 if spec.args.speculative_algorithm == "NGRAM" else 1.4), longest
     # fewer forwards than tokens: the kept drafts saved steps
     assert sum(g["meta_info"]["spec_verify_ct"] for g in got if "spec_verify_ct" in g["meta_info"]) > 0
 
@@ -227,7 +230,7 @@ def test_draft_sizes_follow_measured_cost_and_acceptance():
     """Drafts are sized by what pays: flat forward costs and likely acceptance draft to the cap; forwards whose
     cost grows with every row (quantized weights) or unlikely acceptance draft little or nothing; a batch size
     never measured runs a plain step first."""
-    from plait.runtime.speculative.cost import RowCost, choose_sizes
+    from plait.runtime.speculative.cost import RowCost, choose_sizes, fill_caps
 
     cost = RowCost()
     assert choose_sizes(cost, 1, [0.9], [7], 12) == [0]  # nothing measured: measure the plain step
@@ -249,3 +252,5 @@ def test_draft_sizes_follow_measured_cost_and_acceptance():
     cost.record(3, 0.5)  # measurements replace the optimistic guesses: 3 and 4 rows now cost far more
     cost.record(4, 0.5)
     assert choose_sizes(cost, 2, [0.9, 0.9], [1, 1], 6) == [0, 0]
+    # the fixed policy: each its cap; a short budget shared one token at a time
+    assert fill_caps([3, 7, 2], 6) == [2, 2, 2] and fill_caps([1, 7], 5) == [1, 4] and fill_caps([3, 2], 12) == [3, 2]

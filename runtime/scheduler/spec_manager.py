@@ -16,12 +16,14 @@ draft token is exactly the token the sampler drew). Rejected positions leave onl
 sequence's end, which the next tokens overwrite; only kept tokens reach the radix cache.
 
 Adaptive: drafts may add at most `--speculative-token-budget` rows to a forward, less one per
-running request (on a CPU a forward of a few rows costs about what one row costs; past ~10 rows it
-is compute-bound and drafts stop paying), so a full batch drafts nothing, nor does a step while
-requests wait to be admitted (their prefill fills the next forward). Within that, how many draft
-tokens pay is measured (runtime/speculative/cost.py): each request's per-token acceptance against
-the measured time of forwards by row count and of draft steps. An EAGLE head still reads every
-committed position when nothing drafts (its K/V must be complete when drafting resumes).
+running request, so a full batch drafts nothing, nor does a step while requests wait to be admitted
+(their prefill fills the next forward). Within that, `--speculative-draft-policy measured` (the
+default) weighs each request's per-token acceptance against the measured time of forwards by row
+count and of draft steps (runtime/speculative/cost.py): whether extra rows are nearly free depends on
+the CPU and the weight format, so it is measured, not assumed. A request left without a draft drifts
+back toward the prior acceptance and is tried again. `fixed` drafts every request's most each step.
+An EAGLE head still reads every committed position when nothing drafts (its K/V must be complete
+when drafting resumes).
 """
 
 from __future__ import annotations
@@ -34,13 +36,16 @@ from plait.runtime.model_executor.model_runner import tree_depths
 from plait.runtime.scheduler.grammar_manager import GrammarManager, Masks
 from plait.runtime.scheduler.req import Req
 from plait.runtime.server_args import ServerArgs
-from plait.runtime.speculative.cost import RowCost, choose_sizes
+from plait.runtime.speculative.cost import RowCost, choose_sizes, fill_caps
 from plait.runtime.speculative.eagle_worker import DraftSeed, EagleDrafter, ExtendRun
 from plait.runtime.speculative.ngram import NgramIndex
 from plait.runtime.speculative.verify import walk_draft
 
 _EMA = 0.3  # weight of the latest verify in a request's per-token acceptance
 _ALPHA_PRIOR = 0.7  # per-token acceptance assumed before a request's first verify
+# per step without a draft, a request's acceptance moves this share back to the prior: text changes (a quote, a
+# list) and a request that once drafted badly is tried again after ~10 steps, not never
+_RELAX = 0.05
 
 
 class SpecManager:
@@ -80,8 +85,14 @@ class SpecManager:
         batch (`features`: the target's, per work item)."""
         caps = {req: self._cap(req, context_length) for req in took}
         cands = [req for req, cap in caps.items() if cap > 0]
-        chosen = choose_sizes(self.cost, self.base_rows, [r.spec_alpha for r in cands], [caps[r] for r in cands],
-                              self.budget, self.step_seconds)
+        alphas, limits = [r.spec_alpha for r in cands], [caps[r] for r in cands]
+        if self.args.speculative_draft_policy == "fixed":
+            chosen = fill_caps(limits, self.budget)
+        else:
+            chosen = choose_sizes(self.cost, self.base_rows, alphas, limits, self.budget, self.step_seconds)
+        for req, n in zip(cands, chosen):
+            if n == 0:  # no verify will update its acceptance: drift back to the prior, so it is tried again
+                req.spec_alpha += _RELAX * (_ALPHA_PRIOR - req.spec_alpha)
         sizes = {req: n for req, n in zip(cands, chosen) if n > 0}
         self.budget -= sum(sizes.values())
         trees: dict[Req, tuple[list[int], list[int]]] = {}

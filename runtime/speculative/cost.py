@@ -62,3 +62,15 @@ def choose_sizes(cost: RowCost, base_rows: int, alphas: list[float], caps: list[
     for i in order[:best_m]:
         sizes[i] += 1
     return sizes
+
+
+def fill_caps(caps: list[int], budget: int) -> list[int]:
+    """The fixed policy: every request drafts up to its cap; a short budget goes round one token at a time
+    (a first draft token is the likeliest kept)."""
+    sizes = [0] * len(caps)
+    while budget > 0 and any(s < c for s, c in zip(sizes, caps)):
+        for i, cap in enumerate(caps):
+            if budget > 0 and sizes[i] < cap:
+                sizes[i] += 1
+                budget -= 1
+    return sizes
