@@ -38,7 +38,8 @@ def test_default_model_matches_transformers(runner, hf_model):
 
 
 def _tiny_configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -51,6 +52,15 @@ def _tiny_configs():
         "mistral": MistralConfig(**common, sliding_window=None),
         "qwen2-qkv-bias": Qwen2Config(**common, tie_word_embeddings=False),
         "qwen3-qk-norm": Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),
+        # mixture of experts: 8 experts, top 2 (OLMoE: top 8 of 8 would route nothing), sparse layers only
+        "mixtral": MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
+        # a shared expert with its gate; layer 1 dense (mlp_only_layers)
+        "qwen2-moe": Qwen2MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                    shared_expert_intermediate_size=80, mlp_only_layers=[1], norm_topk_prob=False),
+        "qwen3-moe": Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                                    head_dim=32, norm_topk_prob=True),
+        # q/k norms over all heads; q, k and v clipped
+        "olmoe": OlmoeConfig(**common, num_experts=8, num_experts_per_tok=2, clip_qkv=0.8),
     }
 
 
@@ -70,6 +80,8 @@ def test_tiny_architectures_match_transformers(name, tmp_path):
     args = ServerArgs(model_path=str(tmp_path), dtype="float32", max_total_tokens=512, num_threads=THREADS,
                       skip_tokenizer_init=True).resolved()
     runner = ModelRunner(args, progress=False)
+    sparse = [layer.sparse is not None for layer in runner.model.layers]
+    assert sparse == ([True, False] if name == "qwen2-moe" else [hasattr(config, "num_experts_per_tok")] * 2), sparse
     ids = torch.randint(0, config.vocab_size, (40,)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]

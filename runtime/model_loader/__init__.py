@@ -14,7 +14,7 @@ from tqdm import tqdm
 from plait.runtime.model_config import ModelConfig
 from plait.runtime.model_loader.sources import GGUFSource, HFSource, open_source
 from plait.runtime.layers.quantization import QuantConfig
-from plait.runtime.models import LlamaForCausalLM
+from plait.runtime.models import LlamaForCausalLM, model_class
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def load_model(model_path: str, dtype: torch.dtype, max_positions: int | None = 
         # the tokenizer builds (Python-bound) while weights dequantize (numpy, off the GIL)
         tokenizer_future = pool.submit(_load_tokenizer, source, tokenizer_path) if load_tokenizer else None
         quant = QuantConfig(quantization, dtype, packed, source.block_formats())
-        model = LlamaForCausalLM(config, quant, max_positions or config.context_length)
+        model = model_class(config)(config, quant, max_positions or config.context_length)
         load_weights(model, source, progress, keep_blocks=quant.wants_blocks)
         model.eval()
         tokenizer = tokenizer_future.result() if tokenizer_future else None

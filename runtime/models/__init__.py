@@ -1,5 +1,27 @@
-"""Model implementations (runtime layout, weights from plait.runtime.model_loader)."""
+"""Model implementations (runtime layout, weights from plait.runtime.model_loader), and the registry that
+picks one by the checkpoint's architecture name."""
 
+from __future__ import annotations
+
+from torch import nn
+
+from plait.runtime.model_config import ModelConfig
 from plait.runtime.models.llama import LlamaForCausalLM
 
-__all__ = ["LlamaForCausalLM"]
+# config.json's `architectures[0]` -> the class that serves it; the dense and MoE Llama family share one decoder
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    name: LlamaForCausalLM for name in (
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+}
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[config.architecture]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {config.architecture!r}; supported: "
+                         f"{sorted(MODEL_REGISTRY)}") from None
+
+
+__all__ = ["LlamaForCausalLM", "MODEL_REGISTRY", "model_class"]

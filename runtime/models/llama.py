@@ -1,6 +1,8 @@
-"""One parametrised decoder for the Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3.
+"""One parametrised decoder for the Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, and their
+mixture-of-experts variants Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
 
-Differences are config switches (qkv bias, per-head q/k norm, tied embeddings, rope scaling).
+Differences are config switches (qkv bias, q/k norm per head or over all heads, q/k/v clipping, tied
+embeddings, rope scaling, and which layers' MLP is sparse: runtime/layers/moe.py).
 Q/K/V and gate/up projections are fused into single matrices: fewer, larger matmuls.
 Positions and KV slots come from the active ForwardBatch, not from arguments.
 
@@ -19,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.kernels.cpu_fused import rms_norm, rope_store
+from plait.kernels.cpu_fused import add_rms_norm, rms_norm, rope_store
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.layers.attention import paged_attention
 from plait.runtime.layers.linear import MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding, empty_param
+from plait.runtime.layers.moe import SparseMLP
 from plait.runtime.layers.quantization import QuantConfig
 from plait.runtime.layers.rotary import RotaryEmbedding
 from plait.runtime.model_config import ModelConfig
@@ -54,14 +57,26 @@ class DecoderLayer(nn.Module):
         self.input_norm = empty_param(h, dtype=compute_dtype)
         self.qkv_proj = QKVLinear(h, self.q_size, self.kv_size, cfg.qkv_bias,
                                   quant.method([attn + f"{x}_proj.weight" for x in "qkv"]))
-        self.q_norm = empty_param(d, dtype=compute_dtype) if cfg.qk_norm else None
-        self.k_norm = empty_param(d, dtype=compute_dtype) if cfg.qk_norm else None
+        self.qk_norm, self.clip_qkv = cfg.qk_norm, cfg.clip_qkv
+        full = cfg.qk_norm == "full"
+        self.q_norm = empty_param(self.q_size if full else d, dtype=compute_dtype) if cfg.qk_norm else None
+        self.k_norm = empty_param(self.kv_size if full else d, dtype=compute_dtype) if cfg.qk_norm else None
         self.o_proj = RowLinear(self.q_size, h, False, quant.method([attn + "o_proj.weight"]))
         self.post_norm = empty_param(h, dtype=compute_dtype)
-        inter = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(h, {"gate": inter, "up": inter}, False,
-                                               quant.method([mlp + "gate_proj.weight", mlp + "up_proj.weight"]))
-        self.down_proj = RowLinear(inter, h, False, quant.method([mlp + "down_proj.weight"]))
+        self.gate_up_proj = self.down_proj = self.sparse = None
+        if cfg.moe is not None and layer_id in cfg.moe.sparse_layers:
+            shared = [mlp + f"shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
+            methods = {"gate_up": shared[:2], "down": shared[2:]}
+            self.sparse = SparseMLP(cfg.moe, h, quant.dtype, lambda part: quant.method(methods[part]))
+        else:
+            inter = cfg.intermediate_size
+            self.gate_up_proj = MergedColumnLinear(h, {"gate": inter, "up": inter}, False,
+                                                   quant.method([mlp + "gate_proj.weight", mlp + "up_proj.weight"]))
+            self.down_proj = RowLinear(inter, h, False, quant.method([mlp + "down_proj.weight"]))
+
+    def linears(self) -> list[nn.Module]:
+        mlp = self.sparse.linears() if self.sparse is not None else [self.gate_up_proj, self.down_proj]
+        return [self.qkv_proj, self.o_proj, *mlp]
 
     def weight_loaders(self) -> dict[str, WeightLoader]:
         p = f"model.layers.{self.layer_id}."
@@ -69,14 +84,17 @@ class DecoderLayer(nn.Module):
             p + "input_layernorm.weight": copy_loader(self.input_norm),
             p + "post_attention_layernorm.weight": copy_loader(self.post_norm),
             p + "self_attn.o_proj.weight": self.o_proj.weight_loader,
-            p + "mlp.down_proj.weight": self.down_proj.weight_loader,
         }
         for x in "qkv":
             out[p + f"self_attn.{x}_proj.weight"] = functools.partial(self.qkv_proj.weight_loader, shard=x)
             if self.qkv_proj.bias is not None:
                 out[p + f"self_attn.{x}_proj.bias"] = functools.partial(self.qkv_proj.bias_loader, shard=x)
-        for x in ("gate", "up"):
-            out[p + f"mlp.{x}_proj.weight"] = functools.partial(self.gate_up_proj.weight_loader, shard=x)
+        if self.sparse is not None:
+            out.update(self.sparse.weight_loaders(p))
+        else:
+            out[p + "mlp.down_proj.weight"] = self.down_proj.weight_loader
+            for x in ("gate", "up"):
+                out[p + f"mlp.{x}_proj.weight"] = functools.partial(self.gate_up_proj.weight_loader, shard=x)
         if self.q_norm is not None:
             out[p + "self_attn.q_norm.weight"] = copy_loader(self.q_norm)
             out[p + "self_attn.k_norm.weight"] = copy_loader(self.k_norm)
@@ -86,15 +104,21 @@ class DecoderLayer(nn.Module):
         fb = current_batch()
         t, inv = x.shape[0], fb.batch_invariant
         qkv = self.qkv_proj.forward_normed(x, self.input_norm, self.eps, inv)
-        if self.q_norm is not None:  # per-head RMS norm of q and k before RoPE (Qwen3), in place in qkv
-            q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
-            q.copy_(F.rms_norm(q, (self.head_dim,), self.q_norm, self.eps))
-            k.copy_(F.rms_norm(k, (self.head_dim,), self.k_norm, self.eps))
+        if self.q_norm is not None:  # RMS norm of q and k before RoPE, in place in qkv
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            if self.qk_norm == "head":  # per head (Qwen3); else over all heads at once (OLMoE)
+                q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
+            q.copy_(F.rms_norm(q, self.q_norm.shape, self.q_norm, self.eps))
+            k.copy_(F.rms_norm(k, self.k_norm.shape, self.k_norm, self.eps))
+        if self.clip_qkv is not None:
+            qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         # RoPE on q and k and the K/V store in one pass
         q = rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, pool.k[self.layer_id],
                        pool.v[self.layer_id], fb.out_slots)
         attn = paged_attention(fb, self.layer_id, pool, q, self.scale)
+        if self.sparse is not None:
+            x, h = add_rms_norm(x, self.o_proj(attn, inv), self.post_norm, self.eps)
+            return x + self.sparse(h, inv)
         x, gate_up = self.gate_up_proj.forward_add_normed(x, self.o_proj(attn, inv), self.post_norm, self.eps, inv)
         return x + self.down_proj.forward_silu_mul(gate_up, inv)
 
@@ -114,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.rope_theta, max_positions, compute_dtype)
 
     def linears(self) -> list[nn.Module]:
-        layers = [m for layer in self.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        layers = [m for layer in self.layers for m in layer.linears()]
         return [self.embed, *layers] + ([] if self.lm_head is self.embed else [self.lm_head])
 
     def weight_formats(self) -> list[str]:
