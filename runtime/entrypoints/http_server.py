@@ -33,6 +33,29 @@ logger = logging.getLogger(__name__)
 _DISCONNECT_POLL = 0.5
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
                   "return_text_in_logprobs", "stream", "rid", "kv_joins"}
+# fields of SGLang's GenerateReqInput that clients such as sglang-router always send: accepted at the value that
+# asks for nothing plait lacks (None: any value of that type; logging switches change nothing here)
+_SGLANG_NOOP_KEYS: dict[str, tuple[type, object]] = {
+    "log_metrics": (bool, None), "no_logs": (bool, None), "background": (bool, False),
+    "return_bytes": (bool, False), "return_entropy": (bool, False), "return_hidden_states": (bool, False),
+}
+
+
+def _check_generate_keys(body: dict) -> None:
+    unknown = []
+    for k, v in body.items():
+        if k in _GENERATE_KEYS or v is None:
+            continue
+        if k in _SGLANG_NOOP_KEYS:
+            kind, only = _SGLANG_NOOP_KEYS[k]
+            if not isinstance(v, kind):
+                raise HTTPError(400, f"{k} must be a {kind.__name__}, got {type(v).__name__}")
+            if only is not None and v != only:
+                raise HTTPError(400, f"{k}={json.dumps(v)} is not supported by plait")
+            continue
+        unknown.append(k)
+    if unknown:
+        raise HTTPError(400, f"unknown field(s) in /generate: {', '.join(sorted(unknown))}")
 
 
 _THREAD_PARSE_BYTES = 256 * 1024
@@ -130,9 +153,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/generate", openapi_extra=_generate_doc())
     async def generate(request: Request):
         body = await read_json(request)
-        unknown = sorted(k for k, v in body.items() if k not in _GENERATE_KEYS and v is not None)
-        if unknown:
-            raise HTTPError(400, f"unknown field(s) in /generate: {', '.join(unknown)}")
+        _check_generate_keys(body)
         inp = GenerateInput(**{k: v for k, v in body.items() if k in _GENERATE_KEYS and v is not None})
         client = state.client
         # errors (400, 429, 503) surface here, before a stream's headers are sent
@@ -142,12 +163,14 @@ def create_app(state: ServerState) -> FastAPI:
             return StreamingResponse(sse(request, gen), media_type="text/event-stream")
         return JSONResponse(await first_or_disconnect(request, client, gen))
 
-    @app.get("/get_model_info")
     async def get_model_info():
         tok = state.client.tokenizer
         return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
                 "is_generation": True, "chat_template": getattr(tok, "chat_template", None) if tok else None,
                 "served_model_name": state.model_name, "context_length": state.client.limits.context_length}
+
+    app.get("/get_model_info")(get_model_info)
+    app.get("/model_info", operation_id="model_info")(get_model_info)  # the name sglang-router asks first
 
     async def server_info():
         info: dict[str, Any] = {k: getattr(args, k) for k in args.__dataclass_fields__
