@@ -135,17 +135,23 @@ class Scheduler:
         items = [self._work_item(req, n, i >= len(prefill)) for i, (req, n) in enumerate(batch)]
         masks = self.grammars.start_masks([r for r, n in batch if r.cached_len + n == r.seq_len])
         features = None
+        speculative = any(r.draft and r.draft_kind == "speculative" for r, _ in batch)
+        tokens_before = self.tokens_generated
         start = time.perf_counter()
         if self.spec.capture:  # the draft head reads the target's features at every committed position
             logits, features = self.runner.forward(items, self.spec.capture)
         else:
             logits = self.runner.forward(items)
-        if all(it.mode is not ForwardMode.EXTEND for it in items):  # what drafts are weighed against
+        decoding_only = all(it.mode is not ForwardMode.EXTEND for it in items)
+        if decoding_only:  # what drafts are weighed against
             self.spec.record_forward(sum(len(it.tokens) for it in items), time.perf_counter() - start)
         self.forward_passes += 1
         # drafts pay while a forward is bandwidth-bound: keep the next one within the token budgets
         self.spec.begin_step(len(self.running), len(self.waiting))
         self._process(batch, items, logits, masks, features)
+        if decoding_only:
+            self.spec.record_step(len(items), speculative, self.tokens_generated - tokens_before,
+                                  time.perf_counter() - start)
         self.new_token_ratio = max(_RATIO_MIN, self.new_token_ratio - _RATIO_DECAY)
         return True
 

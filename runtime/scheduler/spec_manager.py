@@ -21,7 +21,11 @@ running request, so a full batch drafts nothing, nor does a step while requests 
 default) weighs each request's per-token acceptance against the measured time of forwards by row
 count and of draft steps (runtime/speculative/cost.py): whether extra rows are nearly free depends on
 the CPU and the weight format, so it is measured, not assumed. A request left without a draft drifts
-back toward the prior acceptance and is tried again. `fixed` drafts every request's most each step.
+back toward the prior acceptance and is tried again. What that model leaves out (the head's pass over
+every committed position, the verify walk, Python) is caught by a second measurement: the realized
+tokens a second of whole decode steps with and without drafts, per number of running requests; where
+drafting measured slower, that batch size drafts only one step in 16 (to keep the figure current).
+`fixed` drafts every request's most each step.
 An EAGLE head still reads every committed position when nothing drafts (its K/V must be complete
 when drafting resumes).
 """
@@ -46,6 +50,9 @@ _ALPHA_PRIOR = 0.7  # per-token acceptance assumed before a request's first veri
 # per step without a draft, a request's acceptance moves this share back to the prior: text changes (a quote, a
 # list) and a request that once drafted badly is tried again after ~10 steps, not never
 _RELAX = 0.05
+# a batch size whose steps with drafts measured fewer tokens a second than its steps without drafts still
+# drafts once in this many steps, so its rate stays current
+_PROBE_EVERY = 16
 
 
 class SpecManager:
@@ -61,6 +68,11 @@ class SpecManager:
         self.base_rows = 0  # rows the next forward holds without drafts
         self.cost = RowCost()
         self.step_seconds = 0.0  # an EAGLE draft step's running mean wall time
+        # realized tokens a second of whole decode steps (forward, verify, sampling, the head's pass, drafting),
+        # by running requests, for steps that verified speculative drafts (True) and steps that did not (False):
+        # what the cost model leaves out (the walk, the head, Python) is in these
+        self.realized: dict[int, dict[bool, float]] = {}
+        self.held_back: dict[int, int] = {}  # steps drafting was held back, by running requests
         self.drafted = {"jump_forward": 0, "speculative": 0}  # draft tokens verified, by kind
         self.kept = {"jump_forward": 0, "speculative": 0}  # of which the model kept
         self.spec_verifies = 0  # forwards' verifications of speculative drafts (one per request)
@@ -73,7 +85,8 @@ class SpecManager:
     def begin_step(self, running: int, waiting: int) -> None:
         """Budgets for the drafts planned after this step's forward (they join the next one). No speculative
         drafts while requests wait: their prefill makes the next forward compute-bound anyway."""
-        self.budget = 0 if waiting else max(0, self.args.speculative_token_budget - running)
+        self.budget = 0 if waiting or not self._drafts_pay(running) else \
+            max(0, self.args.speculative_token_budget - running)
         self.base_rows = running
         self.grammars.draft_budget = max(0, self.args.jump_forward_token_budget - running)
 
@@ -123,6 +136,25 @@ class SpecManager:
                                        self.args.speculative_ngram_max_match_window_size)
         left = min(req.params.max_new_tokens - req.output_len, context_length - req.seq_len) - 1
         return max(0, min(self.max_nodes if self._tree(req) else self.max_draft, left))
+
+    def record_step(self, requests: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A whole decode step: its requests, whether it verified speculative drafts, tokens it emitted."""
+        if seconds <= 0:
+            return
+        rates = self.realized.setdefault(requests, {})
+        old = rates.get(drafted)
+        rates[drafted] = tokens / seconds if old is None else (1 - _EMA) * old + _EMA * tokens / seconds
+
+    def _drafts_pay(self, requests: int) -> bool:
+        """False while, at this many running requests, steps with drafts measured slower than steps without
+        (under the measured policy; the fixed policy always drafts), but for a probe now and then."""
+        rates = self.realized.get(requests, {})
+        if self.args.speculative_draft_policy == "fixed" or len(rates) < 2 or rates[True] >= rates[False]:
+            return True
+        self.held_back[requests] = self.held_back.get(requests, 0) + 1
+        if self.held_back[requests] % _PROBE_EVERY == 0:
+            return True
+        return False
 
     def record_forward(self, rows: int, seconds: float) -> None:
         """The wall time of a forward of decode and verify rows only (the cost drafts are weighed by)."""
