@@ -16,9 +16,10 @@ LLAMA_FAMILY = {
     "qwen3_moe": (False, "head"),
     "olmoe": (False, "full"),
 }
-_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+ARCHITECTURES = {  # model_type -> the transformers class name (the registry's key)
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 DENSE_GGUF = ("llama", "mistral", "qwen2", "qwen3")  # GGUF architectures served (MoE GGUF is not)
 
 
@@ -106,7 +107,7 @@ class ModelConfig:
             rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
             hf_config=hf,
             moe=MoEConfig.from_hf(hf),
-            architecture=(getattr(hf, "architectures", None) or [_ARCHITECTURE[mt]])[0],
+            architecture=(getattr(hf, "architectures", None) or [ARCHITECTURES[mt]])[0],
             clip_qkv=getattr(hf, "clip_qkv", None),
         )
 
@@ -142,5 +143,5 @@ class ModelConfig:
             context_length=get("context_length", 4096),
             eos_token_ids=(eos,) if eos is not None else (),
             rope_theta=float(get("rope.freq_base", 10000.0)),
-            architecture=_ARCHITECTURE[arch],
+            architecture=ARCHITECTURES[arch],
         )

@@ -21,6 +21,7 @@ the kernel's blocked layout (one sequential stream per 4 rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,20 @@ from plait.kernels.cpu_linear import MAX_ROWS, block_bf16, skinny_linear
 from plait.kernels.cpu_quant import BlockTensor
 
 
+WeightLoader = Callable[[torch.Tensor], None]
+
+
 def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def copy_loader(param: nn.Parameter) -> WeightLoader:
+    """The loader of a parameter filled from one checkpoint tensor of exactly its shape (norms, routers)."""
+    def load(tensor: torch.Tensor) -> None:
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
+        param.data.copy_(tensor)
+    return load
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,13 @@ plait.kernels.fused_moe (Triton on GPU, sorted grouped matmuls on CPU).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from plait.kernels.fused_moe import fused_moe
-from plait.runtime.layers.linear import MergedColumnLinear, RowLinear, UnquantizedMethod, empty_param
+from plait.runtime.layers.linear import MergedColumnLinear, RowLinear, UnquantizedMethod, copy_loader, empty_param
 from plait.runtime.model_config import MoEConfig
 
 SHARDS = ("gate", "up", "down")
@@ -36,11 +38,6 @@ class FusedMoE(nn.Module):
             self.expert_map = torch.full((cfg.num_experts,), -1, dtype=torch.int32)
             self.expert_map[self.experts.start : self.experts.stop] = torch.arange(n, dtype=torch.int32)
 
-    def router_loader(self, tensor: torch.Tensor) -> None:
-        if tuple(tensor.shape) != tuple(self.router.shape):
-            raise ValueError(f"router of shape {tuple(tensor.shape)} does not fit {tuple(self.router.shape)}")
-        self.router.data.copy_(tensor)
-
     def expert_loader(self, tensor: torch.Tensor, expert: int, shard: str) -> None:
         inter = self.cfg.intermediate_size
         want = (self.hidden, inter) if shard == "down" else (inter, self.hidden)
@@ -58,11 +55,10 @@ class FusedMoE(nn.Module):
     def weight_loaders(self, prefix: str) -> dict:
         """Checkpoint name -> loader, for the layer whose names start with `prefix` (`model.layers.3.`)."""
         p = f"{prefix}{self.cfg.router_prefix}."
-        out = {p + "gate.weight": self.router_loader}
+        out = {p + "gate.weight": copy_loader(self.router)}
         for e in range(self.cfg.num_experts):
             for shard, name in zip(SHARDS, self.cfg.expert_names):
-                out[f"{p}experts.{e}.{name}.weight"] = (
-                    lambda t, e=e, shard=shard: self.expert_loader(t, e, shard))
+                out[f"{p}experts.{e}.{name}.weight"] = functools.partial(self.expert_loader, expert=e, shard=shard)
         return out
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -95,8 +91,7 @@ class SparseMLP(nn.Module):
         if self.shared_gate_up is not None:
             p = f"{prefix}{self.cfg.router_prefix}."
             for x in ("gate", "up"):
-                out[f"{p}shared_expert.{x}_proj.weight"] = (
-                    lambda t, x=x: self.shared_gate_up.weight_loader(t, shard=x))
+                out[f"{p}shared_expert.{x}_proj.weight"] = functools.partial(self.shared_gate_up.weight_loader, shard=x)
             out[f"{p}shared_expert.down_proj.weight"] = self.shared_down.weight_loader
             out[f"{p}shared_expert_gate.weight"] = self.shared_gate.weight_loader
         return out

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from plait.runtime.model_config import ModelConfig
+from plait.runtime.model_config import ARCHITECTURES, ModelConfig
 from plait.runtime.models.llama import LlamaForCausalLM
 
 # config.json's `architectures[0]` -> the class that serves it; the dense and MoE Llama family share one decoder
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    name: LlamaForCausalLM for name in (
-        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-        "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
-}
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {name: LlamaForCausalLM for name in ARCHITECTURES.values()}
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:

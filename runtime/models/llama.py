@@ -15,8 +15,6 @@ biases, activations and all arithmetic are in `compute_dtype` (float32 on CPU: t
 from __future__ import annotations
 
 import functools
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,23 +22,15 @@ from torch import nn
 from plait.kernels.cpu_fused import add_rms_norm, rms_norm, rope_store
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.layers.attention import paged_attention
-from plait.runtime.layers.linear import MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding, empty_param
+from plait.runtime.layers.linear import (MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding, WeightLoader,
+                                         copy_loader, empty_param)
 from plait.runtime.layers.moe import SparseMLP
 from plait.runtime.layers.quantization import QuantConfig
 from plait.runtime.layers.rotary import RotaryEmbedding
 from plait.runtime.model_config import ModelConfig
 from plait.runtime.model_executor.forward_batch import current_batch
 
-WeightLoader = Callable[[torch.Tensor], None]
 FINAL_HIDDEN = -1  # in a capture list: the last hidden state after the final norm (what EAGLE heads read)
-
-
-def copy_loader(param: nn.Parameter) -> WeightLoader:
-    def load(tensor: torch.Tensor) -> None:
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
-        param.data.copy_(tensor)
-    return load
 
 
 class DecoderLayer(nn.Module):

@@ -45,7 +45,7 @@ from plait.runtime.speculative.eagle_worker import DraftSeed, EagleDrafter, Exte
 from plait.runtime.speculative.ngram import NgramIndex
 from plait.runtime.speculative.verify import walk_draft
 
-_EMA = 0.3  # weight of the latest verify in a request's per-token acceptance
+_EMA = 0.3  # weight of the latest measurement in the running means below (acceptance, draft step, step rates)
 _ALPHA_PRIOR = 0.7  # per-token acceptance assumed before a request's first verify
 # per step without a draft, a request's acceptance moves this share back to the prior: text changes (a quote, a
 # list) and a request that once drafted badly is tried again after ~10 steps, not never
@@ -53,6 +53,11 @@ _RELAX = 0.05
 # a batch size whose steps with drafts measured fewer tokens a second than its steps without drafts still
 # drafts once in this many steps, so its rate stays current
 _PROBE_EVERY = 16
+
+
+
+def _running_mean(old: float | None, new: float) -> float:
+    return new if old is None else (1 - _EMA) * old + _EMA * new
 
 
 class SpecManager:
@@ -142,8 +147,7 @@ class SpecManager:
         if seconds <= 0:
             return
         rates = self.realized.setdefault(requests, {})
-        old = rates.get(drafted)
-        rates[drafted] = tokens / seconds if old is None else (1 - _EMA) * old + _EMA * tokens / seconds
+        rates[drafted] = _running_mean(rates.get(drafted), tokens / seconds)
 
     def _drafts_pay(self, requests: int) -> bool:
         """False while, at this many running requests, steps with drafts measured slower than steps without
@@ -196,7 +200,7 @@ class SpecManager:
         steps = max(chain_sizes + depth, default=0)
         if steps:
             took = (time.perf_counter() - start) / steps
-            self.step_seconds = took if not self.step_seconds else (1 - _EMA) * self.step_seconds + _EMA * took
+            self.step_seconds = _running_mean(self.step_seconds or None, took)
         return {req: chains.get(req, []) for req in sizes if req not in trees}, trees
 
     # ---- verification --------------------------------------------------------------------
@@ -223,7 +227,7 @@ class SpecManager:
             # per-token acceptance of this verify: kept tokens over the tokens tried (the miss counts, if any)
             deepest = len(draft) if parents is None else max(tree_depths(parents))
             tried = kept + (1 if kept < deepest else 0)
-            req.spec_alpha = (1 - _EMA) * req.spec_alpha + _EMA * (kept / tried if tried else 0.0)
+            req.spec_alpha = _running_mean(req.spec_alpha, kept / tried if tried else 0.0)
         self._commit(req, kept, tok, logprobs, accepted, eos_ids, context_length)
 
     def _linearize(self, req: Req, path: list[int]) -> None:

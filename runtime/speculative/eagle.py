@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.kernels.cpu_fused import rms_norm, silu_mul
-from plait.runtime.layers.linear import Linear, MergedColumnLinear, QKVLinear, RowLinear, UnquantizedMethod, VocabEmbedding
+from plait.runtime.layers.linear import (Linear, MergedColumnLinear, QKVLinear, RowLinear, UnquantizedMethod,
+                                         VocabEmbedding, copy_loader)
 from plait.runtime.model_config import ModelConfig
-from plait.runtime.models.llama import copy_loader
 
 ARCHITECTURES = {"LlamaForCausalLMEagle": "EAGLE", "LlamaForCausalLMEagle3": "EAGLE3"}
 KINDS = {v: k for k, v in ARCHITECTURES.items()}
