@@ -7,7 +7,7 @@ SGLANG_STAMP := $(VENV)/.sglang-frontend
 # CPU torch build used where no GPU (and no torch of the user's) is present.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup run demo test test-slow test-reliability bench bench-serving bench-structured bench-programs bench-speculative bench-moe bench-peers train-eagle clean
+.PHONY: setup run demo test test-slow test-reliability bench bench-serving bench-structured bench-programs bench-speculative bench-moe bench-parallel bench-peers train-eagle clean
 
 setup: $(STAMP)
 
@@ -76,6 +76,9 @@ bench-speculative: setup
 # the MoE layer on CPU (plait's path against a per-expert loop), and on a GPU when present
 bench-moe: setup
 	$(PY) benchmarks/bench_moe.py
+
+bench-parallel: setup
+	$(PY) benchmarks/bench_parallel.py
 
 # retrain the EAGLE-3 head shipped for the default model (README: Speculative decoding; resumable)
 train-eagle: setup

@@ -103,6 +103,20 @@ class ServerArgs:
         "measured forward cost by row count and the request's acceptance (README: Speculative decoding); fixed: "
         "every request drafts its most each step (SGLang's policy), within --speculative-token-budget",
         ["measured", "fixed"])
+    # ---- parallelism (README: Parallelism) ----
+    tp_size: int = _arg(1, "tensor parallelism: ranks one model is split across (KV heads, MLP rows, vocabulary; "
+                           "gloo on CPU), one process each; rank 0 schedules and broadcasts each step's batch")
+    ep_size: int = _arg(1, "expert parallelism for MoE models: ranks the experts are partitioned across, tokens "
+                           "exchanged with all-to-all; the same ranks split attention as --tp-size (so it must be 1 "
+                           "or equal --tp-size; given alone, it sets --tp-size)")
+    dp_size: int = _arg(1, "data parallelism: whole replicas (each of --tp-size ranks) behind this one server; each "
+                           "request goes to the replica with the fewest in flight")
+    nnodes: int = _arg(1, "machines one model's ranks span (each runs launch_server with its --node-rank)")
+    node_rank: int = _arg(0, "this machine's index among --nnodes: 0 serves HTTP and rank 0; others run their ranks")
+    dist_init_addr: str | None = _arg(None, "host:port where rank 0 meets the other ranks (needed with --nnodes > 1); "
+                                            "default: a free loopback port")
+    dist_timeout: float = _arg(300.0, "seconds a rank waits on the others in one collective before it fails (an "
+                                      "unreachable machine; a dead local rank fails the server at once)")
     log_level: str = _arg("info", "logging level", ["debug", "info", "warning", "error"])
     # ---- serving ----
     host: str = _arg("127.0.0.1", "HTTP bind address")
@@ -180,6 +194,7 @@ class ServerArgs:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        self._check_parallel()
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
@@ -206,12 +221,48 @@ class ServerArgs:
                 raise ValueError(f"speculative_algorithm {self.speculative_algorithm} needs "
                                  "--speculative-draft-model-path (a head ships only for the default model)")
             draft = default_draft_path()
+        tp_size = max(self.tp_size, self.ep_size)
+        # ranks on one machine share its cores: by default each takes an equal share instead of all of them
+        local = tp_size // self.nnodes * (self.dp_size if self.node_rank == 0 else 1)
+        num_threads = self.num_threads or (max(1, (os.cpu_count() or 1) // local) if local > 1 else 0)
         return dataclasses.replace(
             self, model_path=self.model_path or default_model_path(), device=device, dtype=dtype,
+            tp_size=tp_size, num_threads=num_threads,
             kv_cache_dtype=kv_cache_dtype, quantization=quantization, grammar_backend=grammar_backend,
             api_key=self._resolved_api_key(), api_key_file=None, speculative_draft_model_path=draft,
             speculative_num_steps=self.speculative_num_steps or self.speculative_num_draft_tokens - 1,
         )
+
+    def _check_parallel(self) -> None:
+        for name in ("tp_size", "ep_size", "dp_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ep_size > 1 and self.tp_size not in (1, self.ep_size):
+            raise ValueError(f"ep_size {self.ep_size} must equal tp_size (got {self.tp_size}): the experts are "
+                             "partitioned across the tensor-parallel ranks")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank} with nnodes {self.nnodes}")
+        if self.nnodes > 1:
+            if self.dist_init_addr is None:
+                raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0, reachable from every node)")
+            if max(self.tp_size, self.ep_size) % self.nnodes:
+                raise ValueError(f"tp_size {max(self.tp_size, self.ep_size)} must be a multiple of nnodes {self.nnodes}")
+            if self.dp_size > 1:
+                raise ValueError("dp_size > 1 with nnodes > 1 is not supported: run one server per machine behind "
+                                 "sglang-router instead")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
+        if max(self.tp_size, self.ep_size) > 1 and self.speculative_algorithm in ("EAGLE", "EAGLE3"):
+            raise ValueError(f"speculative_algorithm {self.speculative_algorithm} with tp_size > 1 is not supported "
+                             "(the draft head is not split across ranks): use NGRAM or one rank")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     def _resolved_api_key(self) -> str | None:
         """--api-key, else --api-key-file, else $PLAIT_API_KEY (files and env keep it out of `ps`)."""

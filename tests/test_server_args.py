@@ -42,3 +42,22 @@ def test_config_file_supplies_defaults_and_flags_win(tmp_path):
     bad.write_text("prot: 1\n")
     with pytest.raises(ValueError, match="prot"):
         ServerArgs.parse(["--config", str(bad)])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(tp_size=0), "tp_size"), (dict(dp_size=0), "dp_size"), (dict(tp_size=2, ep_size=4), "ep_size"),
+    (dict(nnodes=2, tp_size=2), "dist_init_addr"), (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"), "node_rank"),
+    (dict(nnodes=2, tp_size=3, dist_init_addr="h:1"), "multiple of nnodes"), (dict(dist_init_addr="nohost"), "dist_init_addr"),
+    (dict(tp_size=2, speculative_algorithm="EAGLE3"), "tp_size"), (dict(dist_timeout=0), "dist_timeout"),
+])
+def test_bad_parallel_settings_name_the_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ServerArgs(**kw)
+
+
+def test_parallel_settings_resolve_ranks_and_threads():
+    ep = ServerArgs(ep_size=2).resolved()
+    assert ep.tp_size == 2 and ep.ep_size == 2  # expert parallelism alone splits attention over the same ranks
+    assert ep.num_threads >= 1  # the machine's cores shared between the local ranks
+    assert ServerArgs(tp_size=2, num_threads=3).resolved().num_threads == 3  # an explicit count wins
+    assert ServerArgs().resolved().num_threads == 0  # one rank: torch's default

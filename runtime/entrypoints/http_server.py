@@ -368,11 +368,13 @@ def launch_server(args: ServerArgs) -> int:
     """Start the runtime and serve until SIGINT/SIGTERM (exit 0) or a runtime process dies (exit 1)."""
     import uvicorn
 
-    from plait.runtime.managers.launcher import launch_runtime
+    from plait.runtime.managers.launcher import launch_node, launch_runtime
     from plait.runtime.managers.metrics import Metrics
 
     args = args.resolved()
     logging.basicConfig(level=args.log_level.upper(), format="[plait %(asctime)s] %(message)s")
+    if args.node_rank > 0:  # another machine's ranks of a model node 0 serves
+        return launch_node(args)
     start = time.perf_counter()
     runtime = launch_runtime(args)
     state = ServerState(args, runtime, Metrics(served_model_name(args)) if args.enable_metrics else None)

@@ -4,8 +4,14 @@ slice, and the method that multiplies (plain, packed or block-quantized: runtime
 A layer's output rows are split into named shards (q/k/v, gate/up), each filled from one
 checkpoint tensor by `weight_loader(tensor, shard)`; the strict loader calls it with whatever the
 source holds (a float tensor, or GGUF blocks as `BlockTensor`) and the method converts what it
-must. After loading, `finish_loading()` builds the method's matmul copies. Row-parallel layers
-(o_proj, down_proj) are their own class because tensor parallelism will split their input instead.
+must. After loading, `finish_loading()` builds the method's matmul copies.
+
+Tensor parallelism (runtime/distributed/): a column-parallel layer keeps a range of each shard's
+output rows (`keep_rows`: its heads, its slice of the intermediate size); a row-parallel layer
+(o_proj, down_proj) keeps a range of input columns (`keep_cols`) and all-reduces its partial
+product over the group; the vocabulary-parallel embedding keeps a range of token rows, reduces
+its lookups and gathers its logits. Loaders take the whole checkpoint tensor and cut their part
+(GGUF blocks are cut without dequantizing where the cut falls on block edges).
 
 The unquantized method on CPU: activations are float32; weights are float32, bfloat16 or float16.
 Few-row matmuls (decode steps) go to a C kernel that streams the plain weight at near the read
@@ -30,7 +36,8 @@ from torch import nn
 from plait.kernels import cpu_isa
 from plait.kernels.cpu_fused import add_rms_norm, rms_norm, silu_mul
 from plait.kernels.cpu_linear import MAX_ROWS, block_bf16, skinny_linear
-from plait.kernels.cpu_quant import BlockTensor
+from plait.kernels.cpu_quant import GROUP, BlockTensor
+from plait.runtime.distributed.group import SINGLE, Group, partition
 
 
 WeightLoader = Callable[[torch.Tensor], None]
@@ -161,16 +168,39 @@ class UnquantizedMethod(LinearMethod):
         return F.embedding(ids, layer.weight).float()
 
 
+def narrow(tensor: torch.Tensor | BlockTensor, dim: int, keep: range) -> torch.Tensor | BlockTensor:
+    """Rows (dim 0) or columns (dim 1) `keep` of a checkpoint tensor; GGUF blocks stay blocks where the
+    cut falls on block edges."""
+    if not isinstance(tensor, BlockTensor):
+        return tensor.narrow(dim, keep.start, len(keep))
+    rows, cols = tensor.shape
+    if dim == 0:
+        return BlockTensor(tensor.blocks[keep.start : keep.stop], tensor.fmt, (len(keep), cols))
+    if keep.start % GROUP or len(keep) % GROUP:
+        return narrow(tensor.dequantize(), dim, keep)
+    bb = tensor.fmt.block_bytes
+    return BlockTensor(tensor.blocks[:, keep.start // GROUP * bb : keep.stop // GROUP * bb], tensor.fmt,
+                       (rows, len(keep)))
+
+
 class Linear(nn.Module):
-    """y = x W^T (+ b), W [out_features, in_features] built from named row shards."""
+    """y = x W^T (+ b), W [out_features, in_features] built from named row shards. `shards` gives each
+    shard's rows in the checkpoint; under tensor parallelism `keep_rows[name]` is the range of them this
+    rank holds, `keep_cols` the range of input columns (then `group` sums the partial products)."""
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool, method: LinearMethod,
-                 bias_dtype: torch.dtype = torch.float32):
+                 bias_dtype: torch.dtype = torch.float32, keep_rows: dict[str, range] | None = None,
+                 keep_cols: range | None = None, group: Group = SINGLE):
         super().__init__()
-        self.in_features = in_features
+        self.source_shape = (shards, in_features)
+        self.keep_rows = keep_rows or {}
+        self.keep_cols = keep_cols
+        self.group = group
+        self.in_features = len(keep_cols) if keep_cols is not None else in_features
         self.shard_rows: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, size in shards.items():
+            size = len(self.keep_rows[name]) if name in self.keep_rows else size
             self.shard_rows[name] = (offset, size)
             offset += size
         self.out_features = offset
@@ -186,7 +216,21 @@ class Linear(nn.Module):
             raise ValueError(f"{what}: {tensor_rows} rows, shard {shard!r} has {size}")
         return start
 
+    def _local(self, tensor: torch.Tensor | BlockTensor, shard: str, what: str) -> torch.Tensor | BlockTensor:
+        """This rank's part of a whole checkpoint tensor (shape-checked against the whole first)."""
+        shards, in_features = self.source_shape
+        if shard in self.keep_rows:
+            if tensor.shape[0] != shards[shard]:
+                raise ValueError(f"{what}: {tensor.shape[0]} rows, shard {shard!r} has {shards[shard]}")
+            tensor = narrow(tensor, 0, self.keep_rows[shard])
+        if self.keep_cols is not None and what == "weight":
+            if len(tensor.shape) != 2 or tensor.shape[1] != in_features:
+                raise ValueError(f"weight of shape {tuple(tensor.shape)} does not fit in_features {in_features}")
+            tensor = narrow(tensor, 1, self.keep_cols)
+        return tensor
+
     def weight_loader(self, tensor: torch.Tensor | BlockTensor, shard: str = "") -> None:
+        tensor = self._local(tensor, shard, "weight")
         shape = tuple(tensor.shape)
         if len(shape) != 2 or shape[1] != self.in_features:
             raise ValueError(f"weight of shape {shape} does not fit in_features {self.in_features}")
@@ -195,14 +239,20 @@ class Linear(nn.Module):
     def bias_loader(self, tensor: torch.Tensor, shard: str = "") -> None:
         if self.bias is None or tensor.dim() != 1:
             raise ValueError(f"bias of shape {tuple(tensor.shape)} for a layer {'with' if self.bias is not None else 'without'} bias")
+        tensor = self._local(tensor, shard, "bias")
         start = self._rows(shard, tensor.shape[0], "bias")
-        self.bias.data[start : start + tensor.shape[0]].copy_(tensor)
+        # a row-parallel layer's ranks each add their partial sums: the bias is added once, by rank 0
+        keep = self.keep_cols is None or self.group.rank == 0
+        self.bias.data[start : start + tensor.shape[0]].copy_(tensor if keep else torch.zeros_like(tensor))
 
     def finish_loading(self) -> None:
         self.method.finish_loading(self)
 
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(y) if self.keep_cols is not None else y
+
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        return self.method.apply(self, x, batch_invariant)
+        return self._reduce(self.method.apply(self, x, batch_invariant))
 
     def forward_normed(self, x: torch.Tensor, norm_w: torch.Tensor, eps: float, batch_invariant: bool = False
                        ) -> torch.Tensor:
@@ -216,14 +266,16 @@ class Linear(nn.Module):
 
     def forward_silu_mul(self, gate_up: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         """self(silu(gate) * up), gate_up = gate | up."""
-        return self.method.apply_silu_mul(self, gate_up, batch_invariant)
+        return self._reduce(self.method.apply_silu_mul(self, gate_up, batch_invariant))
 
 
 class QKVLinear(Linear):
-    """Q, K and V projections as one matmul (column-parallel: shards split by output rows)."""
+    """Q, K and V projections as one matmul (column-parallel: a rank keeps its heads' rows of each)."""
 
-    def __init__(self, hidden: int, q_size: int, kv_size: int, bias: bool, method: LinearMethod):
-        super().__init__(hidden, {"q": q_size, "k": kv_size, "v": kv_size}, bias, method)
+    def __init__(self, hidden: int, q_size: int, kv_size: int, bias: bool, method: LinearMethod,
+                 q_keep: range | None = None, kv_keep: range | None = None):
+        keep = None if q_keep is None else {"q": q_keep, "k": kv_keep, "v": kv_keep}
+        super().__init__(hidden, {"q": q_size, "k": kv_size, "v": kv_size}, bias, method, keep_rows=keep)
 
 
 class MergedColumnLinear(Linear):
@@ -233,15 +285,34 @@ class MergedColumnLinear(Linear):
 class RowLinear(Linear):
     """A projection back to the hidden size (o_proj, down_proj): tensor parallelism splits its input."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod):
-        super().__init__(in_features, {"": out_features}, bias, method)
+    def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod,
+                 keep_cols: range | None = None, group: Group = SINGLE):
+        super().__init__(in_features, {"": out_features}, bias, method, keep_cols=keep_cols, group=group)
 
 
 class VocabEmbedding(Linear):
-    """The token embedding [vocab, hidden]: looked up by rows, and, when tied, the LM head's matmul."""
+    """The token embedding [vocab, hidden]: looked up by rows, and, when tied, the LM head's matmul.
+    Vocabulary-parallel: a rank holds a range of token rows; lookups of others' tokens give zeros and
+    the group sums them; logits are gathered."""
 
-    def __init__(self, vocab: int, hidden: int, method: LinearMethod):
-        super().__init__(hidden, {"": vocab}, False, method)
+    def __init__(self, vocab: int, hidden: int, method: LinearMethod, group: Group = SINGLE):
+        self.vocab = vocab
+        self.parts = [partition(vocab, group.size, r) for r in range(group.size)]
+        keep = {"": self.parts[group.rank]} if group.distributed else None
+        super().__init__(hidden, {"": vocab}, False, method, keep_rows=keep, group=group)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.method.rows(self, ids)
+        if not self.group.distributed:
+            return self.method.rows(self, ids)
+        mine = self.parts[self.group.rank]
+        local = ids - mine.start
+        hit = (local >= 0) & (local < len(mine))
+        rows = self.method.rows(self, torch.where(hit, local, 0))
+        return self.group.all_reduce(rows * hit.unsqueeze(-1))
+
+    def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+        logits = self.method.apply(self, x, batch_invariant)
+        if not self.group.distributed:
+            return logits
+        sizes = [len(p) for p in self.parts]
+        return self.group.all_gather(logits.float().T.contiguous(), sizes).T

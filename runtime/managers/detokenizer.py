@@ -80,8 +80,7 @@ def run_detokenizer_process(args, addrs, ready) -> None:
     replies and stats pass through unchanged."""
     import logging
     import os
-    import traceback
-
+    
     import msgspec
     import zmq
 
@@ -91,7 +90,7 @@ def run_detokenizer_process(args, addrs, ready) -> None:
     die_with_parent(addrs.root)
     ppid = os.getppid()
     logging.basicConfig(level=args.log_level.upper(), format="[plait detokenizer %(asctime)s] %(message)s")
-    try:
+    with ready.starting():
         tokenizer = None
         if not args.skip_tokenizer_init:
             from plait.runtime.model_loader import load_tokenizer
@@ -100,12 +99,6 @@ def run_detokenizer_process(args, addrs, ready) -> None:
         ctx = zmq.Context()
         inbox = Receiver(ctx, addrs.detokenizer, ToDetokenizer)
         out = Sender(ctx, addrs.client)
-        ready.send({"ok": True})
-    except BaseException:
-        ready.send({"ok": False, "error": traceback.format_exc()})
-        raise
-    finally:
-        ready.close()
 
     decoders: dict[str, IncrementalDecoder] = {}
     failed: set[str] = set()  # requests this process failed; their later outputs are dropped

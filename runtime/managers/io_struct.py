@@ -134,6 +134,7 @@ class SchedulerStats(msgspec.Struct, frozen=True, tag=True):
     kv_capacity: int
     cache_hit_rate: float
     gen_throughput: float  # output tokens per second over the last interval
+    replica: int = 0  # the data-parallel replica whose scheduler sent it
 
 
 ToScheduler = TokenizedGenerateReq | AbortReq | FlushCacheReq | ServerInfoReq | JoinKVReq

@@ -36,6 +36,10 @@ class Addresses:
             f.write(str(os.getpid()))
         return Addresses(*(f"ipc://{os.path.join(root, n)}" for n in ("scheduler", "detokenizer", "client")))
 
+    def scheduler_of(self, replica: int) -> str:
+        """The inbox of data-parallel replica `replica`'s scheduler (replica 0's is `scheduler`)."""
+        return self.scheduler if replica == 0 else f"{self.scheduler}-dp{replica}"
+
     @property
     def root(self) -> str:
         return os.path.dirname(self.scheduler[len("ipc://"):])

@@ -1,5 +1,10 @@
 """Start the runtime's child processes (scheduler, detokenizer) and wait until they are ready.
 
+Under tensor or expert parallelism each rank is a process: rank 0 is the scheduler, ranks > 0 run
+their shard of each step rank 0 broadcasts (runtime/distributed/). With --dp-size N there are N such
+groups (replicas), each with its own scheduler inbox and its own torch.distributed world. With
+--nnodes > 1 a machine starts only its own ranks; node 0 also serves (`launch_node` on the others).
+
 Each child is a fresh interpreter (`python -m plait.runtime.managers.proc_main`): no fork of a threaded
 parent, and no re-import of the user's main module (so scripts need no `__main__` guard). It
 gets its configuration as JSON on stdin, gets SIGKILL when the parent dies, and reports
@@ -13,6 +18,8 @@ import json
 import logging
 import os
 import select
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from plait.runtime.distributed.worker import RankPlace
 from plait.runtime.managers.ipc import Addresses, remove_dir
 from plait.runtime.managers.limits import RuntimeLimits
 from plait.runtime.server_args import ServerArgs
@@ -62,34 +70,64 @@ def _child_env(name: str) -> dict[str, str]:
     env = dict(os.environ)
     if name == "detokenizer":
         env.update(OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    if name == "scheduler":
+    if name in ("scheduler", "rank"):
         # oneDNN caches a matmul primitive per shape (1,024 by default, ~0.7 MB each); prefill chunks have
         # ever new row counts, so the cache only filled memory: 256 keep every recent shape (a miss costs ~2 ms)
         env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
     return env
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _processes(args: ServerArgs) -> list[tuple[str, str, RankPlace]]:
+    """(name, role, place) of each process this machine starts; names are what a death report says."""
+    out = []
+    per_node = args.ranks_per_node
+    first = args.node_rank * per_node
+    for replica in range(args.dp_size):
+        addr = ""
+        if args.tp_size > 1:
+            if args.dist_init_addr:
+                host, port = args.dist_init_addr.rsplit(":", 1)
+                addr = f"{host}:{int(port) + replica}"
+            else:
+                addr = f"127.0.0.1:{_free_port()}"
+        dp = f"-dp{replica}" if replica else ""
+        for rank in range(first, first + per_node):
+            role = "scheduler" if rank == 0 else "rank"
+            out.append((f"scheduler{dp}" if rank == 0 else f"rank{rank}{dp}", role, RankPlace(rank, replica, addr)))
+    if args.node_rank == 0:
+        out.append(("detokenizer", "detokenizer", RankPlace()))
+    return out
+
+
 def launch_runtime(args: ServerArgs) -> RuntimeProcesses:
-    """Start the scheduler and detokenizer; load the tokenizer here meanwhile; return when all are ready."""
+    """Start this machine's runtime processes; load the tokenizer here meanwhile (node 0); return when
+    all are ready."""
     addrs = Addresses.private()
-    config = json.dumps({"args": dataclasses.asdict(args), "addrs": dataclasses.asdict(addrs)}) + "\n"
+    base = {"args": dataclasses.asdict(args), "addrs": dataclasses.asdict(addrs)}
     procs: dict[str, subprocess.Popen] = {}
     pipes: dict[str, int] = {}
     handle = RuntimeProcesses(args, addrs, RuntimeLimits(0, 0, 0), None, procs)
     try:
-        for name in ("scheduler", "detokenizer"):
+        for name, role, place in _processes(args):
             r, w = os.pipe()
-            proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.managers.proc_main", name, str(w)],
-                                    stdin=subprocess.PIPE, pass_fds=(w,), env=_child_env(name))
+            proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.managers.proc_main", role, str(w)],
+                                    stdin=subprocess.PIPE, pass_fds=(w,), env=_child_env(role))
             os.close(w)  # the child holds the only writer: EOF here means it died
-            proc.stdin.write(config.encode())
+            proc.stdin.write((json.dumps({**base, "place": dataclasses.asdict(place)}) + "\n").encode())
             proc.stdin.close()
             procs[name], pipes[name] = proc, r
         with ThreadPoolExecutor(1) as pool:
-            tok = pool.submit(_tokenizer, args)
-            replies = {name: _wait_ready(name, procs[name], fd) for name, fd in pipes.items()}
-            handle.tokenizer = tok.result()
-        handle.limits = RuntimeLimits(**replies["scheduler"]["limits"])
+            tok = pool.submit(_tokenizer, args) if args.node_rank == 0 else None
+            replies = _wait_ready(procs, pipes)
+            handle.tokenizer = tok.result() if tok is not None else None
+        if "scheduler" in replies:
+            handle.limits = RuntimeLimits(**replies["scheduler"]["limits"])
     except BaseException:
         handle.shutdown()
         raise
@@ -97,6 +135,25 @@ def launch_runtime(args: ServerArgs) -> RuntimeProcesses:
         for fd in pipes.values():
             os.close(fd)
     return handle
+
+
+def launch_node(args: ServerArgs) -> int:
+    """A machine of --nnodes other than node 0: run its ranks until one exits (rank 0 stopped, or a
+    fault) or a signal stops them. Returns the exit code (0 when stopped by a signal)."""
+    rt = launch_runtime(args)
+    logger.info("node %d of %d: ranks %s ready", args.node_rank, args.nnodes, ", ".join(rt.procs))
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    try:
+        while not stop and not rt.dead():
+            time.sleep(0.2)
+        dead = rt.dead()
+        if dead:
+            logger.error("rank process ended: %s", ", ".join(dead))
+        return 1 if dead and not stop else 0
+    finally:
+        rt.shutdown()
 
 
 def _tokenizer(args: ServerArgs) -> Any:
@@ -107,24 +164,35 @@ def _tokenizer(args: ServerArgs) -> Any:
     return load_tokenizer(args.model_path, args.tokenizer_path)
 
 
-def _wait_ready(name: str, proc: subprocess.Popen, fd: int) -> dict:
+def _wait_ready(procs: dict[str, subprocess.Popen], pipes: dict[str, int]) -> dict[str, dict]:
+    """Each child's readiness reply; the first failure (a reported error, a death) raises at once, so a
+    rank that cannot start does not leave the others waiting for it."""
     deadline = time.monotonic() + _START_TIMEOUT
-    buf = b""
-    while time.monotonic() < deadline:
-        if select.select([fd], [], [], 0.2)[0]:
+    bufs = {name: b"" for name in pipes}
+    replies: dict[str, dict] = {}
+    while len(replies) < len(pipes):
+        waiting = {pipes[n]: n for n in pipes if n not in replies}
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the {', '.join(waiting.values())} process did not start within {_START_TIMEOUT:.0f} s")
+        for fd in select.select(list(waiting), [], [], 0.2)[0]:
+            name = waiting[fd]
             chunk = os.read(fd, 65536)
             if not chunk:
-                break  # EOF: the child died before reporting
-            buf += chunk
-            if buf.endswith(b"\n"):
-                reply = json.loads(buf)
+                raise RuntimeError(f"the {name} process exited during start-up (exit code {_exit_code(procs[name])})")
+            bufs[name] += chunk
+            if bufs[name].endswith(b"\n"):
+                reply = json.loads(bufs[name])
                 if not reply.get("ok"):
                     raise RuntimeError(f"the {name} process failed to start:\n{reply.get('error', '')}")
-                return reply
-        elif proc.poll() is not None:
-            break
+                replies[name] = reply
+        for name in waiting.values():
+            if name not in replies and procs[name].poll() is not None and not bufs[name]:
+                raise RuntimeError(f"the {name} process exited during start-up (exit code {procs[name].returncode})")
+    return replies
+
+
+def _exit_code(proc: subprocess.Popen) -> int | None:
     try:
-        code = proc.wait(2)
+        return proc.wait(2)
     except subprocess.TimeoutExpired:
-        raise RuntimeError(f"the {name} process did not start within {_START_TIMEOUT:.0f} s") from None
-    raise RuntimeError(f"the {name} process exited during start-up (exit code {code})")
+        return None

@@ -1,4 +1,5 @@
-"""Entry point of the runtime's child processes: `python -m plait.runtime.managers.proc_main NAME FD`.
+"""Entry point of the runtime's child processes: `python -m plait.runtime.managers.proc_main ROLE FD`
+(ROLE: scheduler, rank (a tensor-parallel rank > 0) or detokenizer).
 
 The launcher starts a fresh interpreter (no fork of a threaded parent, no re-import of the
 user's main module as multiprocessing's spawn would do), writes the configuration as one JSON
@@ -7,9 +8,11 @@ line on stdin, and reads one JSON readiness line from pipe FD.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import traceback
 
 
 class ReadyPipe:
@@ -26,20 +29,41 @@ class ReadyPipe:
         if not self._file.closed:
             self._file.close()
 
+    @contextlib.contextmanager
+    def starting(self):
+        """Wrap a process's start-up: on success send {"ok": True} plus what the block put in the yielded
+        dict; on an exception send the traceback (the launcher shows it) and re-raise."""
+        extra: dict = {}
+        try:
+            yield extra
+        except BaseException:
+            self.send({"ok": False, "error": traceback.format_exc()})
+            raise
+        else:
+            self.send({"ok": True, **extra})
+        finally:
+            self.close()
+
 
 def main() -> None:
     name, fd = sys.argv[1], int(sys.argv[2])
     config = json.loads(sys.stdin.readline())
+    from plait.runtime.distributed.worker import RankPlace
     from plait.runtime.managers.ipc import Addresses
     from plait.runtime.server_args import ServerArgs
 
     args = ServerArgs(**config["args"])
     addrs = Addresses(**config["addrs"])
+    place = RankPlace(**config.get("place", {}))
     ready = ReadyPipe(fd)
     if name == "scheduler":
         from plait.runtime.scheduler.process import run_scheduler_process
 
-        run_scheduler_process(args, addrs, ready)
+        run_scheduler_process(args, addrs, place, ready)
+    elif name == "rank":
+        from plait.runtime.distributed.worker import run_rank_process
+
+        run_rank_process(args, addrs, place, ready)
     elif name == "detokenizer":
         from plait.runtime.managers.detokenizer import run_detokenizer_process
 

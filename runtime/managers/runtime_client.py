@@ -9,6 +9,11 @@ Results have the shape of SGLang's /generate response:
      ["spec_verify_ct", "spec_accept_length"],
      [logprobs..., "output_token_logprobs_length"]}}
 
+With --dp-size N the client talks to N schedulers (replicas): each request goes whole (all its
+sequences) to the replica with the fewest requests in flight, a request that reuses a KV join to
+the replica that holds it; aborts follow their request; cache flushes and server info go to every
+replica and their answers are combined.
+
 Streamed snapshots carry SGLang's split: output logprobs are the snapshot's own (its new
 tokens), everything else (counts, input logprobs, output_token_logprobs_length) is cumulative.
 """
@@ -153,6 +158,7 @@ class ReqState:
         self.grammar_backend: str | None = None
         self.grammar_narrowed: list[str] = []
         self.spec = (0, 0, 0)  # forwards that verified a speculative draft, its tokens verified, kept
+        self.replica = 0  # the data-parallel replica running it
         self.changed = asyncio.Event()
 
     def apply(self, so: StrOut) -> None:
@@ -199,9 +205,14 @@ class RuntimeClient:
         self.metrics = metrics
         self.on_death = on_death
         self.ctx = zmq.asyncio.Context()
-        self._out = self.ctx.socket(zmq.PUSH)
-        self._out.setsockopt(zmq.LINGER, 0)
-        self._out.connect(rt.addrs.scheduler)
+        self._outs = []  # one per data-parallel replica
+        for replica in range(self.args.dp_size):
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(rt.addrs.scheduler_of(replica))
+            self._outs.append(sock)
+        self._join_replica: dict[str, int] = {}  # KV join id -> the replica holding it
+        self._next_replica = 0
         self._in = self.ctx.socket(zmq.PULL)
         self._in.setsockopt(zmq.LINGER, 0)
         self._in.bind(rt.addrs.client)
@@ -210,7 +221,7 @@ class RuntimeClient:
         self.states: dict[str, ReqState] = {}
         self._max_prompt_chars = _max_prompt_chars(self.tokenizer, self.limits.context_length)
         self._replies: dict[str, asyncio.Future] = {}
-        self.last_stats: SchedulerStats | None = None
+        self._replica_stats: dict[int, SchedulerStats] = {}
         self.dead: str | None = None
         self.draining = False  # set on SIGTERM: new requests get 503, in-flight ones finish
         self._tasks = [asyncio.ensure_future(self._read_loop()), asyncio.ensure_future(self._watch_loop())]
@@ -249,14 +260,16 @@ class RuntimeClient:
             msgs.append(msg)
         return msgs
 
-    def submit(self, msgs: list[TokenizedGenerateReq], text_in_logprobs: bool = False) -> list[ReqState]:
-        """Send one request's sequences. Everything that can refuse them runs before anything is
-        registered or sent, so a refused request leaves nothing behind."""
+    def submit(self, msgs: list[TokenizedGenerateReq], text_in_logprobs: bool = False,
+               replica: int | None = None) -> list[ReqState]:
+        """Send one request's sequences (to `replica`, or the one `_pick_replica` chooses). Everything
+        that can refuse them runs before anything is registered or sent, so a refused request leaves
+        nothing behind."""
         self._check_alive()
         if self.draining:
             raise RequestFailed(503, "the server is shutting down")
         check_request_work(msgs, self.args, self.limits)
-        cap = self.args.max_running_requests + self.args.max_queued_requests
+        cap = self.args.max_running_requests * self.args.dp_size + self.args.max_queued_requests
         if self.args.max_queued_requests >= 0 and len(self.states) + len(msgs) > cap:
             raise QueueFull(f"too many requests in flight ({len(self.states)}); the queue limit is "
                             f"{self.args.max_queued_requests} waiting beyond {self.args.max_running_requests} running")
@@ -268,15 +281,44 @@ class RuntimeClient:
             frames = [self._enc.encode(msgspec.structs.replace(m, group=group) if group else m) for m in msgs]
         except (msgspec.EncodeError, UnicodeEncodeError, OverflowError) as e:
             raise ValueError(f"the request cannot be encoded: {e}") from None
+        replica = self._pick_replica(msgs[0].kv_joins) if replica is None else replica
         states = [ReqState(m, text_in_logprobs) for m in msgs]
         for st, frame in zip(states, frames):
+            st.replica = replica
             self.states[st.msg.rid] = st
-            self._out.send(frame)
+            self._outs[replica].send(frame)
         return states
 
-    async def generate(self, inp: GenerateInput) -> AsyncIterator[dict]:
+    def _pick_replica(self, kv_joins: list[str] | tuple[str, ...] = ()) -> int:
+        """The replica holding the request's KV joins, else the one with the fewest requests in flight
+        (ties in turn)."""
+        for join in kv_joins or ():
+            if join in self._join_replica:
+                return self._join_replica[join]
+        n = len(self._outs)
+        if n == 1:
+            return 0
+        load = [0] * n
+        for st in self.states.values():
+            load[st.replica] += 1
+        order = [(self._next_replica + i) % n for i in range(n)]
+        best = min(order, key=lambda r: load[r])
+        self._next_replica = (best + 1) % n
+        return best
+
+    @property
+    def last_stats(self) -> SchedulerStats | None:
+        """The latest stats of every replica, summed (the cache hit rate averaged)."""
+        stats = list(self._replica_stats.values())
+        if len(stats) <= 1:
+            return stats[0] if stats else None
+        return SchedulerStats(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats),
+                              sum(s.kv_used for s in stats), sum(s.kv_capacity for s in stats),
+                              sum(s.cache_hit_rate for s in stats) / len(stats), sum(s.gen_throughput for s in stats))
+
+    async def generate(self, inp: GenerateInput, replica: int | None = None) -> AsyncIterator[dict]:
         """tokenize + submit + results, for callers that take errors on the first iteration."""
-        states = self.submit(await self.tokenize_async(inp), inp.return_text_in_logprobs)
+        states = self.submit(await self.tokenize_async(inp), inp.return_text_in_logprobs, replica)
         async for item in self.results(states, inp.stream, inp.single):
             yield item
 
@@ -367,7 +409,10 @@ class RuntimeClient:
 
     def abort(self, rid: str) -> None:
         if self.dead is None:
-            self._out.send(self._enc.encode(AbortReq(rid)))
+            st = self.states.get(rid)
+            frame = self._enc.encode(AbortReq(rid))
+            for replica in ([st.replica] if st is not None else range(len(self._outs))):
+                self._outs[replica].send(frame)
 
     async def join_kv(self, fork_text: str, branch_texts: list[str], kv_joins: list[str] | None = None) -> dict:
         """concate_and_append: the KV of fork_text + branch_texts[0] + branch_texts[1] + ... built
@@ -390,24 +435,40 @@ class RuntimeClient:
         fork, parts = await asyncio.to_thread(encode_all) if long else encode_all()
         if any(p[: len(fork)] != fork for p in parts):  # a branch's first token merged with the fork's last
             return {"join_id": None, "reason": "a branch text changes how the fork text tokenizes"}
+        replica = self._pick_replica(joins)  # the branches' KV and the join live in one replica
         await self.first(self.generate(GenerateInput(input_ids=parts, sampling_params={"max_new_tokens": 0},
-                                                     kv_joins=joins)))
-        reply = await self._control(JoinKVReq(uuid.uuid4().hex, parts, len(fork), joins))
+                                                     kv_joins=joins), replica))
+        reply = await self._control(JoinKVReq(uuid.uuid4().hex, parts, len(fork), joins), replica)
         if not reply.ok:
             return {"join_id": None, "reason": reply.info.get("reason", "")}
+        self._join_replica[reply.info["join_id"]] = replica
         return dict(reply.info)
 
     async def flush_cache(self) -> bool:
-        return (await self._control(FlushCacheReq(uuid.uuid4().hex))).ok
+        replies = await self._control_all(lambda: FlushCacheReq(uuid.uuid4().hex))
+        return all(r.ok for r in replies)
 
     async def server_info(self) -> dict:
-        return dict((await self._control(ServerInfoReq(uuid.uuid4().hex))).info)
+        """The scheduler's info; with several replicas, their counts summed, the rest replica 0's, and each
+        replica's own under "replicas"."""
+        infos = [dict(r.info) for r in await self._control_all(lambda: ServerInfoReq(uuid.uuid4().hex))]
+        if len(infos) == 1:
+            return infos[0]
+        total = dict(infos[0])
+        for key, value in infos[0].items():
+            if all(isinstance(i.get(key), int) and not isinstance(i.get(key), bool) for i in infos):
+                total[key] = sum(i[key] for i in infos)
+        total["replicas"] = infos
+        return total
 
-    async def _control(self, msg) -> ControlReply:
+    async def _control_all(self, make) -> list[ControlReply]:
+        return list(await asyncio.gather(*(self._control(make(), r) for r in range(len(self._outs)))))
+
+    async def _control(self, msg, replica: int = 0) -> ControlReply:
         self._check_alive()
         fut = asyncio.get_running_loop().create_future()
         self._replies[msg.req_id] = fut
-        self._out.send(self._enc.encode(msg))
+        self._outs[replica].send(self._enc.encode(msg))
         return await fut
 
     def _check_alive(self) -> None:
@@ -438,9 +499,9 @@ class RuntimeClient:
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
             elif isinstance(msg, SchedulerStats):
-                self.last_stats = msg
+                self._replica_stats[msg.replica] = msg
                 if self.metrics is not None:
-                    self.metrics.on_stats(msg)
+                    self.metrics.on_stats(self.last_stats)
 
     async def _watch_loop(self) -> None:
         while self.dead is None:
@@ -481,7 +542,8 @@ class RuntimeClient:
             except (asyncio.CancelledError, Exception):
                 pass
         self._in.close(0)
-        self._out.close(0)
+        for sock in self._outs:
+            sock.close(0)
         self.ctx.term()
 
 

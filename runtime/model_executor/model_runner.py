@@ -11,6 +11,8 @@ import torch
 
 from plait.kernels.cpu_build import loaded_kernels
 from plait.radix_cache.memory_pool import KVAllocator, KVPool, ReqToTokenPool
+from plait.runtime.distributed import step_sync
+from plait.runtime.distributed.group import SINGLE, Group
 from plait.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode, build_group
 from plait.runtime.model_executor.threads import ThreadGovernor, apply
 from plait.runtime.model_loader import load_model
@@ -38,12 +40,18 @@ class WorkItem:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, progress: bool = True):
+    """Rank 0's runner (the scheduler's) runs each forward and, under tensor or expert parallelism,
+    first broadcasts its batch (runtime/distributed/step_sync.py); the other ranks' runners `follow`."""
+
+    def __init__(self, args: ServerArgs, progress: bool = True, group: Group = SINGLE):
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.args = args
-        # decode steps run with all the threads unless fewer measure faster (a busy core: threads.py)
-        self.threads = ThreadGovernor(torch.get_num_threads()) if args.thread_policy == "adaptive" else None
+        self.group = group
+        # decode steps run with all the threads unless fewer measure faster (a busy core: threads.py); ranks
+        # wait on each other, so one rank's thread count alone would measure nothing useful
+        adaptive = args.thread_policy == "adaptive" and not group.distributed
+        self.threads = ThreadGovernor(torch.get_num_threads()) if adaptive else None
         self.dtype = _DTYPES[args.dtype]
         self.kv_dtype = _DTYPES[args.kv_cache_dtype if args.kv_cache_dtype != "auto" else args.dtype]
         self.batch_invariant = args.enable_deterministic_inference
@@ -53,14 +61,16 @@ class ModelRunner:
         # packed copies are built while loading: before the KV pool takes its share of free memory
         loaded = load_model(args.model_path, self.dtype, args.context_length, args.tokenizer_path, progress,
                             load_tokenizer=not args.skip_tokenizer_init, quantization=args.quantization,
-                            packed=not args.disable_packed_weights)
+                            packed=not args.disable_packed_weights, group=group)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.num_kv_heads = self.model.layers[0].num_kv_heads  # this rank's share
         self.weight_formats = self.model.weight_formats()
         self.context_length = args.context_length or self.config.context_length
         cfg = self.config
         num_slots = args.max_total_tokens or self._auto_kv_tokens()
-        num_slots = max(num_slots, 2 * args.page_size)
-        self.kv_pool = KVPool(num_slots, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
+        # every rank's pool has the same slots (rank 0 hands out slot numbers): the smallest any rank can hold
+        num_slots = group.min_int(max(num_slots, 2 * args.page_size))
+        self.kv_pool = KVPool(num_slots, cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.kv_dtype)
         self.allocator = KVAllocator(num_slots, args.page_size)
         # a few spare rows: retracted and chunked requests hold rows beside the running ones
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_length + 1)
@@ -71,7 +81,7 @@ class ModelRunner:
 
     def _kv_bytes(self, tokens: int) -> int:
         cfg = self.config
-        return tokens * KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
+        return tokens * KVPool.bytes_per_token(cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.kv_dtype)
 
     def _auto_kv_tokens(self) -> int:
         try:
@@ -89,6 +99,8 @@ class ModelRunner:
         in item order then offset order. With `capture` (layer ids, see LlamaForCausalLM.forward), also
         each item's features at all its tokens ([len(tokens), F] per item)."""
         fb, order = self.build_batch(items)
+        if self.group.distributed:
+            step_sync.send(self.group, step_sync.forward_msg(fb, capture))
         timed = self.threads is not None and fb.mode is ForwardMode.DECODE
         if self.threads is not None:
             apply(self.threads.threads() if timed else self.threads.current)
@@ -115,9 +127,36 @@ class ModelRunner:
             start += n
         return out
 
-    @torch.inference_mode()
     def copy_kv(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
         """Copy the KV of slots `src` to slots `dst`, its keys moved on by `shift` positions (a KV join)."""
+        if self.group.distributed:
+            step_sync.send(self.group, step_sync.CopyKV(*map(step_sync.Tensor.of, (src, dst, shift))))
+        self._copy_kv(src, dst, shift)
+
+    def tick(self) -> None:
+        """Rank 0, idle: let the other ranks know it lives (their wait for a step would time out)."""
+        if self.group.distributed:
+            step_sync.send(self.group, step_sync.Tick())
+
+    def stop(self) -> None:
+        """Rank 0: end the other ranks' `follow`."""
+        if self.group.distributed:
+            step_sync.send(self.group, step_sync.Stop())
+
+    def follow(self) -> None:
+        """Ranks > 0: run what rank 0 broadcasts, step by step, until it says stop."""
+        while True:
+            step = step_sync.receive(self.group)
+            if isinstance(step, step_sync.Forward):
+                with step_sync.forward_batch(step).active():
+                    self.model(self.kv_pool, tuple(step.capture))
+            elif isinstance(step, step_sync.CopyKV):
+                self._copy_kv(step.src.get(), step.dst.get(), step.shift.get())
+            elif isinstance(step, step_sync.Stop):
+                return
+
+    @torch.inference_mode()
+    def _copy_kv(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
         pool, rotary = self.kv_pool, self.model.rotary
         for k, v in zip(pool.k, pool.v):  # [kv_heads, slots, head_dim] per layer
             k[:, dst] = rotary.shift_keys(k[:, src], shift).to(k.dtype)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from plait.runtime.distributed.group import SINGLE, Group
 from plait.runtime.model_config import ModelConfig
 from plait.runtime.model_loader.sources import GGUFSource, HFSource, open_source
 from plait.runtime.layers.quantization import QuantConfig
@@ -31,7 +32,8 @@ class LoadedModel:
 
 def load_model(model_path: str, dtype: torch.dtype, max_positions: int | None = None,
                tokenizer_path: str | None = None, progress: bool = True, load_tokenizer: bool = True,
-               quantization: str = "none", packed: bool = True) -> LoadedModel:
+               quantization: str = "none", packed: bool = True, group: Group = SINGLE) -> LoadedModel:
+    """The model (this rank's shard of it under tensor or expert parallelism), its config and tokenizer."""
     start = time.perf_counter()
     source = open_source(model_path)
     config = source.model_config()
@@ -39,7 +41,7 @@ def load_model(model_path: str, dtype: torch.dtype, max_positions: int | None = 
         # the tokenizer builds (Python-bound) while weights dequantize (numpy, off the GIL)
         tokenizer_future = pool.submit(_load_tokenizer, source, tokenizer_path) if load_tokenizer else None
         quant = QuantConfig(quantization, dtype, packed, source.block_formats())
-        model = model_class(config)(config, quant, max_positions or config.context_length)
+        model = model_class(config)(config, quant, max_positions or config.context_length, group=group)
         load_weights(model, source, progress, keep_blocks=quant.wants_blocks)
         model.eval()
         tokenizer = tokenizer_future.result() if tokenizer_future else None

@@ -6,6 +6,10 @@ embeddings, rope scaling, and which layers' MLP is sparse: runtime/layers/moe.py
 Q/K/V and gate/up projections are fused into single matrices: fewer, larger matmuls.
 Positions and KV slots come from the active ForwardBatch, not from arguments.
 
+Under tensor parallelism (a `Group` of ranks) each rank holds a contiguous range of KV heads with the
+query heads that read them, a slice of the MLP's intermediate rows, and a slice of the vocabulary
+(runtime/layers/linear.py); o_proj and down_proj all-reduce.
+
 Layers own their weights and loaders (runtime/layers/linear.py); how each matmul weight is stored
 (the model's dtype, or quantized blocks) is its layer's method, chosen by the QuantConfig. Norms,
 biases, activations and all arithmetic are in `compute_dtype` (float32 on CPU: the kernels widen
@@ -21,6 +25,7 @@ from torch import nn
 
 from plait.kernels.cpu_fused import add_rms_norm, rms_norm, rope_store
 from plait.radix_cache.memory_pool import KVPool
+from plait.runtime.distributed.group import SINGLE, Group, partition
 from plait.runtime.layers.attention import paged_attention
 from plait.runtime.layers.linear import (MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding, WeightLoader,
                                          copy_loader, empty_param)
@@ -30,39 +35,81 @@ from plait.runtime.layers.rotary import RotaryEmbedding
 from plait.runtime.model_config import ModelConfig
 from plait.runtime.model_executor.forward_batch import current_batch
 
+# intermediate rows split across ranks in whole quantization blocks' widths (down_proj's input columns)
+GROUP_ALIGN = 32
 FINAL_HIDDEN = -1  # in a capture list: the last hidden state after the final norm (what EAGLE heads read)
 
 
+def local_heads(cfg: ModelConfig, group: Group) -> tuple[range, range]:
+    """The query heads and KV heads this rank holds: a contiguous range of KV heads (as even as the count
+    allows: 3 over 2 ranks is 2 and 1) with the query heads of their groups."""
+    if group.size > cfg.num_kv_heads:
+        raise ValueError(f"tp_size {group.size} is more than the model's {cfg.num_kv_heads} KV heads")
+    kv = partition(cfg.num_kv_heads, group.size, group.rank)
+    per_kv = cfg.num_heads // cfg.num_kv_heads
+    return range(kv.start * per_kv, kv.stop * per_kv), kv
+
+
+def _rows(heads: range, head_dim: int) -> range:
+    return range(heads.start * head_dim, heads.stop * head_dim)
+
+
+def _sliced_loader(param: nn.Parameter, keep: range | None, full: int) -> WeightLoader:
+    """copy_loader of `keep`'s part of a checkpoint vector of `full` values (all of it when keep is None)."""
+    load = copy_loader(param)
+    if keep is None:
+        return load
+
+    def load_part(tensor: torch.Tensor) -> None:
+        if tuple(tensor.shape) != (full,):
+            raise ValueError(f"shape {tuple(tensor.shape)} does not fit ({full},)")
+        load(tensor[keep.start : keep.stop])
+    return load_part
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, quant: QuantConfig, compute_dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layer_id: int, quant: QuantConfig, compute_dtype: torch.dtype,
+                 group: Group = SINGLE):
         super().__init__()
         self.layer_id = layer_id
+        self.group = group
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        q_heads, kv_heads = local_heads(cfg, group)
+        self.q_full = cfg.num_heads * d
+        self.q_size, self.kv_size = len(q_heads) * d, len(kv_heads) * d
+        self.num_heads, self.num_kv_heads, self.head_dim = len(q_heads), len(kv_heads), d
+        self.kv_full = cfg.num_kv_heads * d
         self.eps = cfg.rms_norm_eps
         self.scale = d**-0.5
         p = f"model.layers.{layer_id}."
         attn, mlp = p + "self_attn.", p + "mlp."
+        split = group.distributed
+        q_rows, kv_rows = _rows(q_heads, d), _rows(kv_heads, d)
         self.input_norm = empty_param(h, dtype=compute_dtype)
-        self.qkv_proj = QKVLinear(h, self.q_size, self.kv_size, cfg.qkv_bias,
-                                  quant.method([attn + f"{x}_proj.weight" for x in "qkv"]))
+        self.qkv_proj = QKVLinear(h, self.q_full, cfg.num_kv_heads * d, cfg.qkv_bias,
+                                  quant.method([attn + f"{x}_proj.weight" for x in "qkv"]),
+                                  q_rows if split else None, kv_rows if split else None)
         self.qk_norm, self.clip_qkv = cfg.qk_norm, cfg.clip_qkv
         full = cfg.qk_norm == "full"
+        # a norm over all heads is split like the heads (its sum of squares is reduced across ranks)
+        self.q_keep, self.kv_keep = (q_rows, kv_rows) if full and split else (None, None)
         self.q_norm = empty_param(self.q_size if full else d, dtype=compute_dtype) if cfg.qk_norm else None
         self.k_norm = empty_param(self.kv_size if full else d, dtype=compute_dtype) if cfg.qk_norm else None
-        self.o_proj = RowLinear(self.q_size, h, False, quant.method([attn + "o_proj.weight"]))
+        self.o_proj = RowLinear(self.q_full, h, False, quant.method([attn + "o_proj.weight"]),
+                                q_rows if split else None, group)
         self.post_norm = empty_param(h, dtype=compute_dtype)
         self.gate_up_proj = self.down_proj = self.sparse = None
         if cfg.moe is not None and layer_id in cfg.moe.sparse_layers:
             shared = [mlp + f"shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
             methods = {"gate_up": shared[:2], "down": shared[2:]}
-            self.sparse = SparseMLP(cfg.moe, h, quant.dtype, lambda part: quant.method(methods[part]))
+            self.sparse = SparseMLP(cfg.moe, h, quant.dtype, lambda part: quant.method(methods[part]), group)
         else:
             inter = cfg.intermediate_size
+            keep = partition(inter, group.size, group.rank, GROUP_ALIGN) if split else None
             self.gate_up_proj = MergedColumnLinear(h, {"gate": inter, "up": inter}, False,
-                                                   quant.method([mlp + "gate_proj.weight", mlp + "up_proj.weight"]))
-            self.down_proj = RowLinear(inter, h, False, quant.method([mlp + "down_proj.weight"]))
+                                                   quant.method([mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
+                                                   keep_rows={"gate": keep, "up": keep} if split else None)
+            self.down_proj = RowLinear(inter, h, False, quant.method([mlp + "down_proj.weight"]), keep, group)
 
     def linears(self) -> list[nn.Module]:
         mlp = self.sparse.linears() if self.sparse is not None else [self.gate_up_proj, self.down_proj]
@@ -86,9 +133,14 @@ class DecoderLayer(nn.Module):
             for x in ("gate", "up"):
                 out[p + f"mlp.{x}_proj.weight"] = functools.partial(self.gate_up_proj.weight_loader, shard=x)
         if self.q_norm is not None:
-            out[p + "self_attn.q_norm.weight"] = copy_loader(self.q_norm)
-            out[p + "self_attn.k_norm.weight"] = copy_loader(self.k_norm)
+            out[p + "self_attn.q_norm.weight"] = _sliced_loader(self.q_norm, self.q_keep, self.q_full)
+            out[p + "self_attn.k_norm.weight"] = _sliced_loader(self.k_norm, self.kv_keep, self.kv_full)
         return out
+
+    def _split_rms_norm(self, x: torch.Tensor, w: torch.Tensor, width: int) -> torch.Tensor:
+        """RMS norm over a row of `width` values of which this rank holds x's columns."""
+        sq = self.group.all_reduce(x.float().pow(2).sum(-1, keepdim=True))
+        return (x.float() * torch.rsqrt(sq / width + self.eps) * w).to(x.dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool) -> torch.Tensor:
         fb = current_batch()
@@ -98,8 +150,12 @@ class DecoderLayer(nn.Module):
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
             if self.qk_norm == "head":  # per head (Qwen3); else over all heads at once (OLMoE)
                 q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
-            q.copy_(F.rms_norm(q, self.q_norm.shape, self.q_norm, self.eps))
-            k.copy_(F.rms_norm(k, self.k_norm.shape, self.k_norm, self.eps))
+            if self.q_keep is not None:  # over all heads, which other ranks hold part of
+                q.copy_(self._split_rms_norm(q, self.q_norm, self.q_full))
+                k.copy_(self._split_rms_norm(k, self.k_norm, self.kv_full))
+            else:
+                q.copy_(F.rms_norm(q, self.q_norm.shape, self.q_norm, self.eps))
+                k.copy_(F.rms_norm(k, self.k_norm.shape, self.k_norm, self.eps))
         if self.clip_qkv is not None:
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         # RoPE on q and k and the K/V store in one pass
@@ -115,16 +171,17 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, quant: QuantConfig, max_positions: int,
-                 compute_dtype: torch.dtype = torch.float32):
+                 compute_dtype: torch.dtype = torch.float32, group: Group = SINGLE):
         super().__init__()
         self.cfg = cfg
         self.compute_dtype = compute_dtype
+        self.group = group
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.hidden_size,
-                                    quant.method(["model.embed_tokens.weight"], embedding=True))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, quant, compute_dtype) for i in range(cfg.num_layers))
+                                    quant.method(["model.embed_tokens.weight"], embedding=True), group)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, quant, compute_dtype, group) for i in range(cfg.num_layers))
         self.norm = empty_param(cfg.hidden_size, dtype=compute_dtype)
         self.lm_head = self.embed if cfg.tie_word_embeddings else VocabEmbedding(
-            cfg.vocab_size, cfg.hidden_size, quant.method(["lm_head.weight"], embedding=True))
+            cfg.vocab_size, cfg.hidden_size, quant.method(["lm_head.weight"], embedding=True), group)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.rope_theta, max_positions, compute_dtype)
 
     def linears(self) -> list[nn.Module]:

@@ -12,7 +12,6 @@ import ctypes
 import logging
 import os
 import time
-import traceback
 
 import msgspec
 import zmq
@@ -30,6 +29,7 @@ from plait.runtime.managers.io_struct import (
     TokenOut,
     ToScheduler,
 )
+from plait.runtime.distributed.worker import RankPlace, join
 from plait.runtime.managers.ipc import Addresses, BadMessage, Receiver, Sender, die_with_parent, parent_alive
 from plait.runtime.server_args import ServerArgs
 
@@ -42,30 +42,27 @@ _STATS_INTERVAL = 1.0
 _TRIM_INTERVAL = 30.0
 
 
-def run_scheduler_process(args: ServerArgs, addrs: Addresses, ready) -> None:
-    """Process entry point: build the runtime, report readiness (or the error) on `ready`
-    (a proc_main.ReadyPipe), loop."""
+def run_scheduler_process(args: ServerArgs, addrs: Addresses, place: RankPlace, ready) -> None:
+    """Process entry point: build the runtime (rank 0 of its replica's group), report readiness (or the
+    error) on `ready` (a proc_main.ReadyPipe), loop."""
     die_with_parent(addrs.root)
     ppid = os.getppid()
-    logging.basicConfig(level=args.log_level.upper(), format="[plait scheduler %(asctime)s] %(message)s")
-    try:
+    replica = f" dp {place.replica}" if args.dp_size > 1 else ""
+    logging.basicConfig(level=args.log_level.upper(), format=f"[plait scheduler{replica} %(asctime)s] %(message)s")
+    with ready.starting() as reply:
         from plait.runtime.model_executor.model_runner import ModelRunner
         from plait.runtime.scheduler.scheduler import Scheduler
 
         ctx = zmq.Context()
-        inbox = Receiver(ctx, addrs.scheduler, ToScheduler)
+        inbox = Receiver(ctx, addrs.scheduler_of(place.replica), ToScheduler)
         out = Sender(ctx, addrs.detokenizer)
-        runner = ModelRunner(args)
+        runner = ModelRunner(args, group=join(args, place))
         scheduler = Scheduler(args, runner, lambda outs: out.send(BatchTokenOut(outs)))
         scheduler.grammars.warm_up()
-        ready.send({"ok": True, "limits": msgspec.to_builtins(scheduler.limits)})
-    except BaseException:  # tell the launcher why, then die
-        ready.send({"ok": False, "error": traceback.format_exc()})
-        raise
-    finally:
-        ready.close()
+        reply["limits"] = msgspec.to_builtins(scheduler.limits)
     try:
-        _Loop(scheduler, inbox, out, ppid).run()
+        _Loop(scheduler, inbox, out, ppid, place.replica).run()
+        runner.stop()  # orphaned: the other ranks stop too (a failed collective skips this and fails them)
     finally:
         scheduler.close()
 
@@ -79,8 +76,9 @@ def _malloc_trim():
 
 
 class _Loop:
-    def __init__(self, scheduler, inbox: Receiver, out: Sender, ppid: int):
+    def __init__(self, scheduler, inbox: Receiver, out: Sender, ppid: int, replica: int = 0):
         self.scheduler = scheduler
+        self.replica = replica
         self.inbox = inbox
         self.out = out
         self.ppid = ppid
@@ -96,6 +94,7 @@ class _Loop:
                 while not self.inbox.poll(1000):  # idle: wake once a second to notice an orphaning
                     if not parent_alive(self.ppid):
                         return
+                    self.scheduler.runner.tick()  # and tell the other ranks, if any, that rank 0 lives
             while (msg := self._recv()) is not None:
                 self._handle(msg)
             before = self.scheduler.tokens_generated
@@ -155,6 +154,6 @@ class _Loop:
             num_running=st["num_running"], num_waiting=st["num_waiting"],
             kv_used=st["kv_capacity"] - st["kv_free"], kv_capacity=st["kv_capacity"],
             cache_hit_rate=st["cache_hit_rate"],
-            gen_throughput=self._tokens_since / elapsed if elapsed > 0 else 0.0,
+            gen_throughput=self._tokens_since / elapsed if elapsed > 0 else 0.0, replica=self.replica,
         ))
         self._last_stats, self._tokens_since = now, 0
