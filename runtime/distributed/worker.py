@@ -23,7 +23,8 @@ class RankPlace:
 def join(args: ServerArgs, place: RankPlace):
     from plait.runtime.distributed.group import init_group
 
-    return init_group(place.rank, args.tp_size, place.init_addr, args.ep_size > 1, args.dist_timeout)
+    return init_group(place.rank, args.tp_size, place.init_addr, args.ep_size > 1, args.dist_timeout,
+                      one_machine=args.nnodes == 1)
 
 
 def run_rank_process(args: ServerArgs, addrs, place: RankPlace, ready) -> None:
@@ -37,3 +38,4 @@ def run_rank_process(args: ServerArgs, addrs, place: RankPlace, ready) -> None:
     with ready.starting():
         runner = ModelRunner(args, progress=False, group=join(args, place))
     runner.follow()
+    runner.group.close()

@@ -63,6 +63,7 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, place: RankPlace, 
     try:
         _Loop(scheduler, inbox, out, ppid, place.replica).run()
         runner.stop()  # orphaned: the other ranks stop too (a failed collective skips this and fails them)
+        runner.group.close()
     finally:
         scheduler.close()
 

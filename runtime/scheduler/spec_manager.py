@@ -26,8 +26,9 @@ every committed position, the verify walk, Python) is caught by a second measure
 tokens a second of whole decode steps with and without drafts, per number of running requests; where
 drafting measured slower, that batch size drafts only one step in 16 (to keep the figure current).
 `fixed` drafts every request's most each step.
-An EAGLE head still reads every committed position when nothing drafts (its K/V must be complete
-when drafting resumes).
+While the row budget leaves no room for drafts (a full batch, a queue), an EAGLE head skips its pass over
+decoded positions (prompt chunks it still reads): a gap in its context when drafting resumes
+(eagle_worker.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import time
 
 import torch
 
+from plait.runtime.model_executor.forward_batch import ForwardMode
 from plait.runtime.model_executor.model_runner import tree_depths
 from plait.runtime.scheduler.grammar_manager import GrammarManager, Masks
 from plait.runtime.scheduler.req import Req
@@ -70,6 +72,7 @@ class SpecManager:
         self.max_nodes = args.speculative_num_draft_tokens - 1  # draft tokens one verify may hold
         self.max_draft = min(args.speculative_num_steps or self.max_nodes, self.max_nodes)  # chain length / tree depth
         self.budget = 0  # speculative draft tokens this step may still add
+        self.no_room = False  # the row budget (or a queue) leaves no room for drafts this step
         self.base_rows = 0  # rows the next forward holds without drafts
         self.cost = RowCost()
         self.step_seconds = 0.0  # an EAGLE draft step's running mean wall time
@@ -90,8 +93,11 @@ class SpecManager:
     def begin_step(self, running: int, waiting: int) -> None:
         """Budgets for the drafts planned after this step's forward (they join the next one). No speculative
         drafts while requests wait: their prefill makes the next forward compute-bound anyway."""
-        self.budget = 0 if waiting or not self._drafts_pay(running) else \
-            max(0, self.args.speculative_token_budget - running)
+        # no room for drafts at all (a full batch, a queue): the head may skip decoded positions. Not where drafts
+        # are only held back for measuring slower: the head's gaps would make the probes measure worse still
+        self.no_room = bool(waiting) or self.args.speculative_token_budget <= running
+        self.budget = 0 if self.no_room or not self._drafts_pay(running) else \
+            self.args.speculative_token_budget - running
         self.base_rows = running
         self.grammars.draft_budget = max(0, self.args.jump_forward_token_budget - running)
 
@@ -171,18 +177,26 @@ class SpecManager:
     def _eagle_drafts(self, batch: list[tuple[Req, int]], items: list, features: list, sizes: dict[Req, int],
                       context_length: int) -> tuple[dict[Req, list[int]], dict[Req, tuple[list[int], list[int]]]]:
         """(chains, trees): the head first reads every position this forward committed."""
-        runs, owners = [], []
+        runs, owners, dropped = [], [], []
         for (req, _), item, feats in zip(batch, items, features):
             count = req.cached_len - item.cached_len  # positions this forward committed
             if req.verified_rows is not None:  # a tree's kept path, in position order
                 feats = feats[req.verified_rows]
                 req.verified_rows = None
-            if count <= 0 or (req.finish is not None and req.finish.type == "abort"):
+            if count <= 0:
                 continue
             # a finished request's positions too: a later request may reuse them from the radix cache
             nxt = req.fill_ids[item.cached_len + 1 : item.cached_len + count + 1]
-            runs.append(ExtendRun(req.row, item.cached_len, feats[: len(nxt)], nxt, req in sizes))
-            owners.append(req)
+            run = ExtendRun(req.row, item.cached_len, feats[: len(nxt)], nxt, req in sizes)
+            # with no room for drafts (a full batch), the head skips decoded positions: a gap in its context when
+            # drafting resumes; prompt chunks it still reads (a request's whole prompt context)
+            skip = self.no_room and item.mode is not ForwardMode.EXTEND
+            if skip or (req.finish is not None and req.finish.type == "abort"):
+                dropped.append(run)
+            else:
+                runs.append(run)
+                owners.append(req)
+        self.drafter.forget(dropped)
         seeds: dict[bool, list] = {False: [], True: []}
         drafting: dict[bool, list[Req]] = {False: [], True: []}
         for req, out in zip(owners, self.drafter.extend(runs)):

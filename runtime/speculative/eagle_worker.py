@@ -10,6 +10,11 @@ Two calls per step:
   (prompt chunks, decoded tokens, kept draft tokens), reading the target's feature at p and the token
   at p + 1, and writes its K/V at their slots. Its output at a request's last committed position
   predicts the token after the one just sampled: the first draft token.
+  While no request may draft (a full batch), the head skips that pass over decoded positions (`forget`):
+  its cost is spared where drafts do not pay. `valid` marks the slots whose head K/V are those of the position the
+  target keeps there; the head attends to valid slots only (keys carry their positions in their
+  rotation, so leaving some out needs no mask), so a skipped stretch is a gap in the head's context,
+  never wrong keys. A KV join carries validity with the K/V.
 - `draft`: further steps feed the head its own output. Their K/V are guesses, so they go to scratch
   slots past the pool's end (not the request's slots); each step attends to the committed positions
   plus the scratch of its own earlier steps. Drafts are greedy (the head's argmax): a deterministic
@@ -61,6 +66,7 @@ class EagleDrafter:
         self.scratch = num_slots  # first scratch slot; scratch_size of them follow
         self.scratch_size = max_drafts * max_steps * topk
         self.pool = KVPool(num_slots + self.scratch_size, 1, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        self.valid = torch.zeros(num_slots, dtype=torch.bool)  # see the module docstring
         self.rotary = RotaryEmbedding(rope_config, cfg.head_dim, cfg.rope_theta, max_positions, torch.float32)
         self.scale = cfg.head_dim ** -0.5
         self.max_drafts = max_drafts
@@ -79,6 +85,28 @@ class EagleDrafter:
                                  kv_slots, lens, self.scale, q_rows)
         return head.layer_output(out.reshape(t, cfg.num_heads * cfg.head_dim), residual)
 
+    def _valid_rows(self, rows: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Request b's slots at positions [0, ends[b]) with valid head K/V, packed to the left ([B, W], padded
+        with slot 0), and cum[b, p]: how many of positions 0..p are valid (None when every one is: the slots
+        are then the table's own rows and counts are positions + 1)."""
+        width = int(ends.max())
+        slots = self.table[rows, :width]
+        inside = torch.arange(width) < ends[:, None]
+        ok = self.valid[slots] & inside
+        if bool((ok == inside).all()):
+            return slots, None
+        cum = ok.cumsum(1)
+        packed = torch.zeros_like(slots)
+        b, p = ok.nonzero(as_tuple=True)
+        packed[b, cum[b, p] - 1] = slots[b, p]
+        return packed, cum
+
+    def forget(self, runs: list[ExtendRun]) -> None:
+        """The target committed these positions and the head did not read them: their slots hold no valid
+        head K/V (they may hold an earlier owner's)."""
+        for r in runs:
+            self.valid[self.table[r.row, r.start : r.start + len(r.next_tokens)]] = False
+
     @torch.inference_mode()
     def extend(self, runs: list[ExtendRun]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """The head over committed positions; for each run that wants a draft, (hidden, logits) at its last."""
@@ -90,10 +118,12 @@ class EagleDrafter:
         rows = torch.tensor([r.row for r in runs_])
         q_rows = torch.repeat_interleave(torch.arange(len(runs_)), counts)
         store = self.table[rows[q_rows], positions]
-        kv_slots = self.table[rows, : int(positions.max()) + 1]
+        self.valid[store] = True
+        kv_slots, cum = self._valid_rows(rows, torch.tensor([r.start + len(r.next_tokens) for r in runs_]))
+        lens = positions + 1 if cum is None else cum[q_rows, positions]
         tokens = torch.tensor([t for r in runs_ for t in r.next_tokens], dtype=torch.int64)
         hidden = torch.cat([r.features for r in runs_])
-        h = self._step(tokens, hidden, positions, store, kv_slots, positions + 1, q_rows)
+        h = self._step(tokens, hidden, positions, store, kv_slots, lens, q_rows)
         last = torch.cumsum(counts, 0) - 1
         wanted = [i for i, r in enumerate(runs_) if r.want_draft]
         logits = self.head.logits(h[last[wanted]]) if wanted else None
@@ -110,7 +140,9 @@ class EagleDrafter:
         steps = max(sizes)
         committed = torch.tensor([s.committed for s in seeds])
         rows = torch.tensor([s.row for s in seeds])
-        kv_slots = self.table[rows, : int(committed.max()) + steps].clone()
+        packed, cum = self._valid_rows(rows, committed)
+        known = committed if cum is None else cum[:, -1]  # valid committed keys of each request (packed first)
+        kv_slots = torch.nn.functional.pad(packed, (0, int(known.max()) + steps - packed.shape[1]))
         hidden = torch.stack([s.hidden for s in seeds])
         for s in range(1, steps):
             active = [b for b, n in enumerate(sizes) if n > s]
@@ -118,11 +150,11 @@ class EagleDrafter:
                 break
             idx = torch.tensor(active)
             positions = committed[idx] + s - 1
+            col = known[idx] + s - 1  # where this step's key sits in each packed row
             store = self.scratch + idx * self.max_steps + (s - 1)
-            kv_slots[idx, positions] = store
+            kv_slots[idx, col] = store
             tokens = torch.tensor([drafts[b][-1] for b in active], dtype=torch.int64)
-            h = self._step(tokens, hidden[idx], positions, store, kv_slots[idx], positions + 1,
-                           torch.arange(len(active)))
+            h = self._step(tokens, hidden[idx], positions, store, kv_slots[idx], col + 1, torch.arange(len(active)))
             picks = head.to_target(head.logits(h).argmax(-1)).tolist()
             for k, b in enumerate(active):
                 drafts[b].append(picks[k])
@@ -159,13 +191,14 @@ class EagleDrafter:
             # scratch slot of (request b, level d, frontier node k): unique within this draft
             store = torch.tensor([self.scratch + (b * self.max_steps + d - 2) * topk + k
                                   for k, (b, *_) in zip(local, frontier)])
-            rows = [torch.cat([self.table[seeds[b].row, : seeds[b].committed], torch.tensor(chain, dtype=torch.int64),
+            rows = [torch.cat([self._valid_prefix(seeds[b]), torch.tensor(chain, dtype=torch.int64),
                                store[j : j + 1]]) for j, (b, _, _, chain) in enumerate(frontier)]
             width = max(r.numel() for r in rows)
             kv_slots = torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])
             tokens = torch.tensor([cands[b][c][2] for b, c, _, _ in frontier], dtype=torch.int64)
             hidden = torch.stack([h for _, _, h, _ in frontier])
-            h = self._step(tokens, hidden, positions, store, kv_slots, positions + 1, torch.arange(len(frontier)))
+            lens = torch.tensor([r.numel() for r in rows])
+            h = self._step(tokens, hidden, positions, store, kv_slots, lens, torch.arange(len(frontier)))
             logp = torch.log_softmax(head.logits(h), -1)
             vals, ids = logp.topk(topk, -1)
             toks = head.to_target(ids).tolist()
@@ -178,11 +211,17 @@ class EagleDrafter:
                         for _, c, hj, chain in sorted(kids, key=lambda x: -x[0])[:topk]]
         return [_best_tree(cands[b], sizes[b]) for b in range(len(seeds))]
 
+    def _valid_prefix(self, seed: DraftSeed) -> torch.Tensor:
+        """The slots of a request's committed positions whose head K/V are valid."""
+        slots = self.table[seed.row, : seed.committed]
+        return slots[self.valid[slots]]
+
     def copy_kv(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
         """The head's K/V follow a KV join like the target's (keys moved on by `shift` positions)."""
         k, v = self.pool.k[0], self.pool.v[0]
         k[:, dst] = self.rotary.shift_keys(k[:, src], shift).to(k.dtype)
         v[:, dst] = v[:, src]
+        self.valid[dst] = self.valid[src]
 
 
 def _best_tree(cands: list[tuple[float, int, int, int]], size: int) -> tuple[list[int], list[int]]:
