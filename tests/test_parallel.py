@@ -134,3 +134,30 @@ def test_more_ranks_than_kv_heads_are_refused_naming_the_limit():
     assert [local_heads(cfg, Group(r, 2)) for r in range(2)] == [(range(0, 2), range(0, 1)), (range(2, 4), range(1, 2))]
     with pytest.raises(ValueError, match="tp_size 3 is more than the model's 2 KV heads"):
         local_heads(cfg, Group(0, 3))
+
+
+_COLLECTIVES = r"""
+import sys, torch
+from plait.runtime.distributed.group import init_group
+rank, port = int(sys.argv[1]), sys.argv[2]
+g = init_group(rank, 2, f"127.0.0.1:{port}", False, 30)
+assert g.shm is not None  # one x86 machine: shared memory
+for rows in (1, 512, 4000):  # 4000 x 576 float32 is over a slot's 8 MiB: gloo, chosen alike on both ranks
+    x = torch.full((rows, 576), float(rank + 1))
+    assert (g.all_reduce(x) == 3).all()
+part = torch.arange(10.0).view(5, 2) + 100 * rank
+got = g.all_gather(part if rank == 0 else part[:3], [5, 3])  # uneven shares
+assert got[:, 0].tolist() == [0, 2, 4, 6, 8, 100, 102, 104], got
+for payload in (b"step", b"x" * (9 << 20)):  # the second is larger than a slot: sent over gloo
+    assert g.broadcast_bytes(payload if rank == 0 else None) == payload
+g.close()
+print("ok")
+"""
+
+
+def test_shared_memory_collectives_and_their_gloo_fallbacks():
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _COLLECTIVES, str(r), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (1, 0)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 and out.strip() == "ok" for p, (out, _) in zip(procs, outs)), outs
