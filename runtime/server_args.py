@@ -105,7 +105,8 @@ class ServerArgs:
         ["measured", "fixed"])
     # ---- parallelism (README: Parallelism) ----
     tp_size: int = _arg(1, "tensor parallelism: ranks one model is split across (KV heads, MLP rows, vocabulary; "
-                           "gloo on CPU), one process each; rank 0 schedules and broadcasts each step's batch")
+                           "gloo, shared memory within one machine), one process each; rank 0 schedules and "
+                           "broadcasts each step's batch")
     ep_size: int = _arg(1, "expert parallelism for MoE models: ranks the experts are partitioned across, tokens "
                            "exchanged with all-to-all; the same ranks split attention as --tp-size (so it must be 1 "
                            "or equal --tp-size; given alone, it sets --tp-size)")
