@@ -257,9 +257,6 @@ class ServerArgs:
                 raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
         if self.dist_timeout <= 0:
             raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
-        if max(self.tp_size, self.ep_size) > 1 and self.speculative_algorithm in ("EAGLE", "EAGLE3"):
-            raise ValueError(f"speculative_algorithm {self.speculative_algorithm} with tp_size > 1 is not supported "
-                             "(the draft head is not split across ranks): use NGRAM or one rank")
 
     @property
     def ranks_per_node(self) -> int:

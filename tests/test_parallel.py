@@ -161,3 +161,20 @@ def test_shared_memory_collectives_and_their_gloo_fallbacks():
                               stderr=subprocess.PIPE, text=True) for r in (1, 0)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 and out.strip() == "ok" for p, (out, _) in zip(procs, outs)), outs
+
+
+@pytest.mark.slow
+def test_eagle_head_beside_a_target_split_across_two_ranks(engine, tokenizer):
+    """The head runs on rank 0 alone over whole copies of the vocabulary layers: drafts are verified by the
+    split target and the tokens are one rank's."""
+    from plait import Engine
+
+    ids, ref = _reference(engine, tokenizer)
+    eng = Engine(tp_size=2, speculative_algorithm="EAGLE3", dtype="float32", max_total_tokens=4096,
+                 log_level="warning")
+    try:
+        outs = eng.generate(input_ids=ids[:3], sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == ref[:3]
+        assert eng.get_server_info()["spec_verifies"] > 0
+    finally:
+        eng.shutdown()

@@ -48,7 +48,7 @@ def test_config_file_supplies_defaults_and_flags_win(tmp_path):
     (dict(tp_size=0), "tp_size"), (dict(dp_size=0), "dp_size"), (dict(tp_size=2, ep_size=4), "ep_size"),
     (dict(nnodes=2, tp_size=2), "dist_init_addr"), (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"), "node_rank"),
     (dict(nnodes=2, tp_size=3, dist_init_addr="h:1"), "multiple of nnodes"), (dict(dist_init_addr="nohost"), "dist_init_addr"),
-    (dict(tp_size=2, speculative_algorithm="EAGLE3"), "tp_size"), (dict(dist_timeout=0), "dist_timeout"),
+(dict(dist_timeout=0), "dist_timeout"),
 ])
 def test_bad_parallel_settings_name_the_field(kw, match):
     with pytest.raises(ValueError, match=match):

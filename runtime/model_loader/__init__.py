@@ -14,6 +14,7 @@ from tqdm import tqdm
 from plait.runtime.distributed.group import SINGLE, Group
 from plait.runtime.model_config import ModelConfig
 from plait.runtime.model_loader.sources import GGUFSource, HFSource, open_source
+from plait.runtime.layers.linear import VocabEmbedding
 from plait.runtime.layers.quantization import QuantConfig
 from plait.runtime.models import LlamaForCausalLM, model_class
 
@@ -48,6 +49,33 @@ def load_model(model_path: str, dtype: torch.dtype, max_positions: int | None = 
     logger.info("loaded %s (%s, %s, weights %s) in %.2f s", model_path, config.model_type, dtype,
                 "+".join(model.weight_formats()), time.perf_counter() - start)
     return LoadedModel(model, config, tokenizer)
+
+
+@dataclass
+class VocabLayers:
+    """A model's token embedding and LM head (the same layer when tied)."""
+
+    embed: VocabEmbedding
+    lm_head: VocabEmbedding
+
+
+def load_vocab_layers(model_path: str, dtype: torch.dtype, quantization: str = "none",
+                      packed: bool = True) -> VocabLayers:
+    """The embedding and LM head whole, on one rank: what an EAGLE head beside a target split across ranks
+    reads (the target's own are split by vocabulary, and the head runs on rank 0 alone)."""
+    source = open_source(model_path)
+    config = source.model_config()
+    quant = QuantConfig(quantization, dtype, packed, source.block_formats())
+    names = ["model.embed_tokens.weight"] + ([] if config.tie_word_embeddings else ["lm_head.weight"])
+    layers = [VocabEmbedding(config.vocab_size, config.hidden_size, quant.method([n], embedding=True)) for n in names]
+    loaders = dict(zip(names, layers))
+    for name, tensor in source.tensors(quant.wants_blocks, set(names)):
+        loaders.pop(name).weight_loader(tensor)
+    if loaders:
+        raise ValueError(f"{model_path}: missing {sorted(loaders)}")
+    for layer in layers:
+        layer.finish_loading()
+    return VocabLayers(layers[0], layers[-1])
 
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None) -> Any:

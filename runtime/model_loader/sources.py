@@ -89,9 +89,10 @@ class GGUFSource:
         """HF tensor name -> the block format plait serves it in as stored, None for other types."""
         return {gguf_to_hf_name(t.name): _served_format(t) for t in self.header.tensors}
 
-    def tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
-        """(HF name, tensor) in HF layout; with `keep_blocks`, tensors of a served block format come as
-        their blocks (BlockTensor), never widened."""
+    def tensors(self, keep_blocks: bool = False, names: set[str] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
+        """(HF name, tensor) in HF layout (only `names`, when given); with `keep_blocks`, tensors of a served
+        block format come as their blocks (BlockTensor), never widened."""
         import gguf
 
         cfg_heads = (
@@ -123,8 +124,9 @@ class GGUFSource:
             return name, t
 
         # numpy releases the GIL in dequantization: a small pool overlaps tensors
+        wanted = [t for t in self.header.tensors if names is None or gguf_to_hf_name(t.name) in names]
         with ThreadPoolExecutor(max_workers=2) as pool:
-            yield from pool.map(load, self.header.tensors)
+            yield from pool.map(load, wanted)
 
     def num_tensors(self) -> int:
         return len(self.header.tensors)
@@ -157,14 +159,16 @@ class HFSource:
     def block_formats(self) -> dict[str, BlockFormat | None]:
         return {}  # float checkpoints
 
-    def tensors(self, keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor); `keep_blocks` is moot: a float checkpoint has no blocks."""
+    def tensors(self, keep_blocks: bool = False, names: set[str] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor), only `names` when given; `keep_blocks` is moot: a float checkpoint has no blocks."""
         from safetensors import safe_open
 
         for file in self.files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if names is None or name in names:
+                        yield name, f.get_tensor(name)
 
     def num_tensors(self) -> int:
         from safetensors import safe_open

@@ -50,7 +50,12 @@ def _drafter(args: ServerArgs, runner: ModelRunner) -> EagleDrafter | None:
     """The EAGLE head beside the target, under --speculative-algorithm EAGLE or EAGLE3."""
     if args.speculative_algorithm not in ("EAGLE", "EAGLE3"):
         return None
-    head = load_eagle_head(args.speculative_draft_model_path, runner.config, runner.model)
+    vocab = runner.model
+    if runner.group.distributed:  # the head runs on rank 0 alone: it reads a whole copy of the vocabulary layers
+        from plait.runtime.model_loader import load_vocab_layers
+
+        vocab = load_vocab_layers(args.model_path, runner.dtype, args.quantization, not args.disable_packed_weights)
+    head = load_eagle_head(args.speculative_draft_model_path, runner.config, vocab)
     if head.cfg.kind != args.speculative_algorithm:
         raise ValueError(f"speculative_algorithm {args.speculative_algorithm} but the draft model at "
                          f"{args.speculative_draft_model_path} is an {head.cfg.kind} head")

@@ -253,7 +253,8 @@ _IGNORED = ("t2d",)
 
 def load_eagle_head(path: str, target: ModelConfig, target_model) -> EagleHead:
     """A head from a folder (config.json + *.safetensors), strictly: every tensor it needs once, none left
-    over, each shape checked; errors name the tensor."""
+    over, each shape checked; errors name the tensor. `target_model`: anything with the target's `embed` and
+    `lm_head` layers (whole, not split across ranks)."""
     from safetensors import safe_open
 
     cfg_path = os.path.join(path, "config.json")
