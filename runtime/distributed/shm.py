@@ -89,12 +89,17 @@ class ShmComm:
         n = like.numel() * like.element_size()
         return self._data(buf, rank)[_HEADER : _HEADER + n].view(like.dtype).view(like.shape)
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def _exchange(self, x: torch.Tensor) -> int:
+        """Write x into this rank's slot and wait until every rank has written its own; the buffer to read."""
         seq = self._arrive()
         buf = seq % 2
         self._write(buf, x)
         self._publish(seq)
         self._wait(seq)
+        return buf
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        buf = self._exchange(x)
         total = self._read(buf, 0, x).clone()
         for r in range(1, self.size):
             total += self._read(buf, r, x)
@@ -103,11 +108,7 @@ class ShmComm:
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's x (all the same shape), in rank order."""
-        seq = self._arrive()
-        buf = seq % 2
-        self._write(buf, x)
-        self._publish(seq)
-        self._wait(seq)
+        buf = self._exchange(x)
         return [self._read(buf, r, x).clone() for r in range(self.size)]
 
     def broadcast(self, payload: bytes | None) -> bytes | None:

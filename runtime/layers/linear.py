@@ -296,7 +296,6 @@ class VocabEmbedding(Linear):
     the group sums them; logits are gathered."""
 
     def __init__(self, vocab: int, hidden: int, method: LinearMethod, group: Group = SINGLE):
-        self.vocab = vocab
         self.parts = [partition(vocab, group.size, r) for r in range(group.size)]
         keep = {"": self.parts[group.rank]} if group.distributed else None
         super().__init__(hidden, {"": vocab}, False, method, keep_rows=keep, group=group)

@@ -23,6 +23,7 @@ import functools
 import torch
 from torch import nn
 
+from plait.kernels.cpu_quant import GROUP
 from plait.kernels.fused_moe import fused_experts, fused_moe, select_experts
 from plait.runtime.distributed.group import SINGLE, Group, partition
 from plait.runtime.layers.linear import MergedColumnLinear, RowLinear, UnquantizedMethod, copy_loader, empty_param
@@ -84,15 +85,15 @@ class FusedMoE(nn.Module):
         x = h[bounds[g.rank] : bounds[g.rank + 1]]
         weights, ids = select_experts(x.float() @ self.router.T, top_k, self.cfg.renormalize)
         ids = ids.reshape(-1).long()
-        order = torch.argsort(self.owner[ids], stable=True)  # pairs grouped by the rank that runs them
-        send = torch.bincount(self.owner[ids], minlength=g.size).tolist()
+        owner = self.owner[ids]
+        order = torch.argsort(owner, stable=True)  # pairs grouped by the rank that runs them
+        send = torch.bincount(owner, minlength=g.size).tolist()
         token = order // top_k
         rows, got = g.all_to_all(x[token].to(self.w13.dtype), send)
         experts, _ = g.all_to_all(ids[order], send)
-        out = torch.zeros_like(rows)
-        if rows.shape[0]:  # each received pair through its one expert
-            local = (experts - self.experts.start).to(torch.int32)[:, None]
-            out = fused_experts(rows, self.w13, self.w2, torch.ones(local.shape), local)
+        local = (experts - self.experts.start).to(torch.int32)[:, None]
+        # each received pair through its one expert (none received: nothing to run)
+        out = fused_experts(rows, self.w13, self.w2, torch.ones(local.shape), local) if rows.shape[0] else rows
         back, _ = g.all_to_all(out, got)
         y = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32)
         y.index_add_(0, token, back.float() * weights.reshape(-1)[order, None])
@@ -110,7 +111,7 @@ class SparseMLP(nn.Module):
         self.shared_gate_up = self.shared_down = self.shared_gate = None
         if cfg.shared_intermediate_size:
             si = cfg.shared_intermediate_size
-            keep = partition(si, group.size, group.rank, 32) if group.distributed else None
+            keep = partition(si, group.size, group.rank, GROUP) if group.distributed else None
             self.shared_gate_up = MergedColumnLinear(hidden, {"gate": si, "up": si}, False, method_for("gate_up"),
                                                      keep_rows={"gate": keep, "up": keep} if keep else None)
             # no reduce of its own (group left single): forward reduces its sum with the experts' once

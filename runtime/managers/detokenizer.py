@@ -80,7 +80,7 @@ def run_detokenizer_process(args, addrs, ready) -> None:
     replies and stats pass through unchanged."""
     import logging
     import os
-    
+
     import msgspec
     import zmq
 

@@ -455,7 +455,7 @@ class RuntimeClient:
         if len(infos) == 1:
             return infos[0]
         total = dict(infos[0])
-        for key, value in infos[0].items():
+        for key in infos[0]:
             if all(isinstance(i.get(key), int) and not isinstance(i.get(key), bool) for i in infos):
                 total[key] = sum(i[key] for i in infos)
         total["replicas"] = infos

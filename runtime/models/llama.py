@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.kernels.cpu_fused import add_rms_norm, rms_norm, rope_store
+from plait.kernels.cpu_quant import GROUP
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.distributed.group import SINGLE, Group, partition
 from plait.runtime.layers.attention import paged_attention
@@ -35,8 +36,6 @@ from plait.runtime.layers.rotary import RotaryEmbedding
 from plait.runtime.model_config import ModelConfig
 from plait.runtime.model_executor.forward_batch import current_batch
 
-# intermediate rows split across ranks in whole quantization blocks' widths (down_proj's input columns)
-GROUP_ALIGN = 32
 FINAL_HIDDEN = -1  # in a capture list: the last hidden state after the final norm (what EAGLE heads read)
 
 
@@ -84,19 +83,18 @@ class DecoderLayer(nn.Module):
         p = f"model.layers.{layer_id}."
         attn, mlp = p + "self_attn.", p + "mlp."
         split = group.distributed
-        q_rows, kv_rows = _rows(q_heads, d), _rows(kv_heads, d)
+        # the checkpoint rows this rank keeps (None: all of them)
+        q_rows, kv_rows = (_rows(q_heads, d), _rows(kv_heads, d)) if split else (None, None)
         self.input_norm = empty_param(h, dtype=compute_dtype)
-        self.qkv_proj = QKVLinear(h, self.q_full, cfg.num_kv_heads * d, cfg.qkv_bias,
-                                  quant.method([attn + f"{x}_proj.weight" for x in "qkv"]),
-                                  q_rows if split else None, kv_rows if split else None)
+        self.qkv_proj = QKVLinear(h, self.q_full, self.kv_full, cfg.qkv_bias,
+                                  quant.method([attn + f"{x}_proj.weight" for x in "qkv"]), q_rows, kv_rows)
         self.qk_norm, self.clip_qkv = cfg.qk_norm, cfg.clip_qkv
         full = cfg.qk_norm == "full"
         # a norm over all heads is split like the heads (its sum of squares is reduced across ranks)
-        self.q_keep, self.kv_keep = (q_rows, kv_rows) if full and split else (None, None)
+        self.q_keep, self.kv_keep = (q_rows, kv_rows) if full else (None, None)
         self.q_norm = empty_param(self.q_size if full else d, dtype=compute_dtype) if cfg.qk_norm else None
         self.k_norm = empty_param(self.kv_size if full else d, dtype=compute_dtype) if cfg.qk_norm else None
-        self.o_proj = RowLinear(self.q_full, h, False, quant.method([attn + "o_proj.weight"]),
-                                q_rows if split else None, group)
+        self.o_proj = RowLinear(self.q_full, h, False, quant.method([attn + "o_proj.weight"]), q_rows, group)
         self.post_norm = empty_param(h, dtype=compute_dtype)
         self.gate_up_proj = self.down_proj = self.sparse = None
         if cfg.moe is not None and layer_id in cfg.moe.sparse_layers:
@@ -105,7 +103,8 @@ class DecoderLayer(nn.Module):
             self.sparse = SparseMLP(cfg.moe, h, quant.dtype, lambda part: quant.method(methods[part]), group)
         else:
             inter = cfg.intermediate_size
-            keep = partition(inter, group.size, group.rank, GROUP_ALIGN) if split else None
+            # in whole quantization blocks: they are down_proj's input columns
+            keep = partition(inter, group.size, group.rank, GROUP) if split else None
             self.gate_up_proj = MergedColumnLinear(h, {"gate": inter, "up": inter}, False,
                                                    quant.method([mlp + "gate_proj.weight", mlp + "up_proj.weight"]),
                                                    keep_rows={"gate": keep, "up": keep} if split else None)

@@ -57,7 +57,6 @@ _RELAX = 0.05
 _PROBE_EVERY = 16
 
 
-
 def _running_mean(old: float | None, new: float) -> float:
     return new if old is None else (1 - _EMA) * old + _EMA * new
 
