@@ -40,7 +40,7 @@ demo: setup
 	$(PY) -m plait generate
 
 test: setup $(SGLANG_STAMP)
-	PLAIT_TEST_THREADS=1 $(PY) -m pytest -q -x tests
+	PLAIT_TEST_THREADS=1 $(PY) -m pytest -q -x --durations=15 tests
 
 test-slow: setup
 	@# exit code 5 means no test is marked slow yet

@@ -104,7 +104,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workloads", default="chat,code,summary,json")
     ap.add_argument("--algorithms", default="EAGLE3,EAGLE3:4,NGRAM",
-                    help="EAGLE3 runs the head shipped for the default model; EAGLE3:4 drafts trees of top-4 expansions")
+                    help="EAGLE3 runs the head shipped for the default model; EAGLE3:4 drafts trees of top-4 expansions; "
+                    "EAGLE3@DIR runs the head in DIR")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--rounds", type=int, default=2, help="each measured this many times, alternating engines")
     ap.add_argument("--requests", type=int, default=0, help="requests per batch size (default: max(4, 2 x batch))")
@@ -118,10 +119,11 @@ def main() -> None:
     algorithms = args.algorithms.split(",")
     common = dict(num_threads=args.threads, dtype=args.dtype, log_level="warning", max_total_tokens=65536)
     engines = {"off": Engine(**common)}
-    for a in algorithms:  # NAME or NAME:TOPK (an EAGLE draft tree of top-TOPK expansions)
-        name, _, topk = a.partition(":")
+    for a in algorithms:  # NAME[:TOPK][@DIR]: an EAGLE draft tree of top-TOPK expansions; the head in DIR
+        spec, _, head = a.partition("@")
+        name, _, topk = spec.partition(":")
         engines[a] = Engine(**common, speculative_algorithm=name, speculative_num_draft_tokens=args.num_draft_tokens,
-                            speculative_eagle_topk=int(topk or 1))
+                            speculative_eagle_topk=int(topk or 1), speculative_draft_model_path=head or None)
     tok = engines["off"].tokenizer
     rows = []  # (workload, batch, requests, tokens, tok/s off, {algorithm: (tok/s, accept length, kept, same)}, load)
     try:

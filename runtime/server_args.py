@@ -201,6 +201,15 @@ class ServerArgs:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
 
+    def local_ranks(self) -> int:
+        """Runtime processes running forwards on this machine (each a rank of a replica)."""
+        return max(self.tp_size, self.ep_size) // self.nnodes * (self.dp_size if self.node_rank == 0 else 1)
+
+    def takes_every_core(self) -> bool:
+        """Whether the forwards of this machine's ranks use all its cores (no core idle beside them)."""
+        cores = os.cpu_count() or 1
+        return self.num_threads == 0 or self.num_threads * self.local_ranks() >= cores
+
     def resolved(self) -> "ServerArgs":
         """A copy with every 'auto'/None default filled in (done once, at start-up)."""
         device = "cpu" if self.device == "auto" else self.device
@@ -224,7 +233,7 @@ class ServerArgs:
             draft = default_draft_path()
         tp_size = max(self.tp_size, self.ep_size)
         # ranks on one machine share its cores: by default each takes an equal share instead of all of them
-        local = tp_size // self.nnodes * (self.dp_size if self.node_rank == 0 else 1)
+        local = dataclasses.replace(self, tp_size=tp_size).local_ranks()
         num_threads = self.num_threads or (max(1, (os.cpu_count() or 1) // local) if local > 1 else 0)
         return dataclasses.replace(
             self, model_path=self.model_path or default_model_path(), device=device, dtype=dtype,

@@ -173,6 +173,23 @@ def tiny_data(runner):
     return {"capture": aux, "tokens": tokens, "features": feats, "labels": labels, "target": None}
 
 
+def test_feature_phase_labels_the_answer_only(runner):
+    """train-eagle's labels are the target's own picks: the tokens after the prompt; prompt positions get none
+    (-1), nor does the last position. Features are the captured layers at every position."""
+    from plait.runtime.speculative import train
+
+    ids = runner.tokenizer.encode(SENTENCE)
+    prompt_len = 9
+    ns = _train_args(max_len=len(ids) - 2)  # cut: the last two tokens are dropped
+    data = train._features(runner.args, [(ids, prompt_len), (ids[:5], 8)], ns)
+    labels = data["labels"][0].tolist()
+    kept = ids[: len(ids) - 2]
+    assert labels == [-1] * (prompt_len - 1) + kept[prompt_len:] + [-1]
+    assert data["features"][0].shape == (len(kept), 3 * runner.config.hidden_size)
+    assert data["labels"][1].tolist() == [-1] * 5  # all prompt: nothing to learn (train() leaves it out)
+    assert data["capture"] == default_aux_layers(runner.config.num_layers)
+
+
 def test_drafting_computes_what_training_computes(runner, tiny_data):
     """Step 0 of the head over committed positions (paged, through the request table) equals the training
     path's step 0; the drafter's second draft token equals training-time test step 1 at the same position

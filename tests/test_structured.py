@@ -468,13 +468,17 @@ def test_compile_worker_kills_a_runaway_compile_and_rebuilds_what_it_compiled(to
     here (the same mask). Under auto, a backend whose compile outlives its share of the timeout (its
     worker is killed) or whose worker dies is one more refusal: the next backend compiles it."""
     from plait.runtime.constrained import GrammarCache, create_backend
-    from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
+    from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, spawn_worker, tokenizer_files
 
+    spawned = spawn_worker()  # as the scheduler does: the process starts before its config exists
     backend = create_backend("auto", tokenizer, 49152, [tokenizer.eos_token_id])
     config = WorkerConfig("auto", tokenizer_files(tokenizer), 49152, [tokenizer.eos_token_id])
     cache = GrammarCache(backend, 16, workers=1, new_compiler=lambda: IsolatedCompiler(backend, config, 8.0))
     compiler = cache._compilers[0]
     try:
+        cache.warm(spawned)
+        cache.wait_warm()
+        assert compiler.worker._proc is spawned and compiler.worker._ready
         # a grammar for each backend auto picks: xgrammar, llguidance (multipleOf), outlines (minProperties)
         grammars = [("json_schema", json.dumps(PERSON)), ("regex", "[0-9]{2,4}"),
                     ("json_schema", json.dumps({"type": "integer", "multipleOf": 3})),

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:  # annotations only: server_args imports this module's choices without torch
     import torch
@@ -125,7 +125,9 @@ class Compile:
 class Compiler(Protocol):
     """What compiles for one GrammarCache pool thread."""
 
-    def start(self) -> None: ...
+    def start(self, spawned: Any = None) -> None: ...  # spawned: a process started for it earlier
+
+    def wait_ready(self) -> None: ...
 
     def compile(self, kind: str, text: str, style: JsonStyle, started: Callable[[], None]): ...
 
@@ -138,7 +140,10 @@ class InProcessCompiler:
     def __init__(self, backend: GrammarBackend):
         self.backend = backend
 
-    def start(self) -> None:
+    def start(self, spawned: Any = None) -> None:
+        pass
+
+    def wait_ready(self) -> None:
         pass
 
     def compile(self, kind: str, text: str, style: JsonStyle, started: Callable[[], None]):
@@ -200,9 +205,13 @@ class GrammarCache:
                 self._entries.popitem(last=False)
             return entry
 
-    def warm(self) -> None:
-        """Start the first compiler now (its worker loads while nothing waits on it)."""
-        self._compilers[0].start()
+    def warm(self, spawned: Any = None) -> None:
+        """Start the first compiler now (its worker loads while nothing waits on it), on `spawned` when given."""
+        self._compilers[0].start(spawned)
+
+    def wait_warm(self) -> None:
+        """Wait until the first compiler can compile."""
+        self._compilers[0].wait_ready()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

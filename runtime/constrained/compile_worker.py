@@ -68,26 +68,36 @@ def tokenizer_files(tokenizer) -> dict[str, bytes]:
 
 
 # ---- the parent's side ----------------------------------------------------------------------
+def spawn_worker() -> subprocess.Popen:
+    """A worker process, importing its libraries while it waits for its WorkerConfig. The scheduler
+    spawns one before loading the model, so those seconds of CPU overlap the load instead of the
+    first requests' decode."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.Popen([sys.executable, "-m", "plait.runtime.constrained.compile_worker"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+
+
 class CompileWorker:
     """One worker process, used by one thread at a time. `compile` sends a job and waits for its
     reply up to `timeout` seconds after the worker starts on it; past that, or if the worker dies,
     the worker is replaced and the grammar refused (GrammarError: a 400 for its request)."""
 
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, spawned: subprocess.Popen | None = None):
         self._config = msgspec.msgpack.encode(config)
         self._proc: subprocess.Popen | None = None
         self._ready = False
         self._buf = b""
         self.restarts = 0
-        self._start()
+        self._start(spawned)
 
-    def _start(self) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        self._proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.constrained.compile_worker"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    def _start(self, spawned: subprocess.Popen | None = None) -> None:
+        self._proc = spawned or spawn_worker()
         self._ready, self._buf = False, b""
-        self._proc.stdin.write(_HEADER.pack(len(self._config)) + self._config)
-        self._proc.stdin.flush()
+        try:
+            self._proc.stdin.write(_HEADER.pack(len(self._config)) + self._config)
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # a spawned worker that died already: wait_ready() replaces it
 
     def wait_ready(self) -> None:
         """Wait for the worker's backend to be built (replacing a dead worker first); GrammarError
@@ -173,9 +183,17 @@ class IsolatedCompiler:
         self.backend, self.config, self.timeout = backend, config, timeout
         self.worker: CompileWorker | None = None  # started on first use or by start()
 
-    def start(self) -> None:
+    def start(self, spawned: subprocess.Popen | None = None) -> None:
+        """Start the worker (on `spawned`, a spawn_worker() process, when given)."""
         if self.worker is None:
-            self.worker = CompileWorker(self.config)
+            self.worker = CompileWorker(self.config, spawned)
+        elif spawned is not None:
+            spawned.kill()
+            spawned.wait()
+
+    def wait_ready(self) -> None:
+        self.start()
+        self.worker.wait_ready()
 
     def compile(self, kind: str, text: str, style: JsonStyle, started: Callable[[], None]):
         from plait.runtime.constrained.auto_backend import AutoBackend
@@ -239,6 +257,17 @@ def _build_backend(config: WorkerConfig) -> GrammarBackend:
     return create_backend(config.backend, tokenizer, config.vocab_size, config.eos_ids)
 
 
+def _preload() -> None:
+    """Import what building a backend needs, before the config arrives (see spawn_worker)."""
+    import transformers  # noqa: F401
+
+    for lib in ("xgrammar", "llguidance", "llguidance.hf", "outlines_core"):
+        try:
+            __import__(lib)
+        except ImportError:
+            pass  # an optional backend not installed: create_backend says so if it is asked for
+
+
 def main() -> None:
     from plait.runtime.managers.ipc import die_with_parent
 
@@ -247,6 +276,7 @@ def main() -> None:
     # (from Python or C++) can corrupt them
     stdin, stdout = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
+    _preload()
     frame = _read_frame(stdin)
     if frame is None:
         return

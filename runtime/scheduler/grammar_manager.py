@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import logging
+import subprocess
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -31,6 +33,8 @@ from plait.runtime.managers.io_struct import FinishReason
 from plait.runtime.sampling import SampleRow, sample
 from plait.runtime.scheduler.req import Req
 from plait.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 _REPLAN_SLACK = 4  # a planned completion is searched again once the tokens left come within this of it
 
@@ -65,10 +69,22 @@ class GrammarManager:
         self._faults: list[tuple[Req, Exception]] = []  # mask fills that raised, for the scheduler to fail
 
     # ---- compile ---------------------------------------------------------------------------
-    def warm_up(self) -> None:
-        """Start a compile worker now, so the first constrained request does not wait for it."""
-        if self.cache is not None:
-            self.cache.warm()
+    def warm_up(self, spawned: subprocess.Popen | None = None, wait: bool = True) -> None:
+        """Start a compile worker (on `spawned`, from compile_worker.spawn_worker, when given), so the first
+        constrained request does not wait for it; with `wait`, until it can compile, so no request decodes
+        beside its start-up. A worker that fails to start is logged; the next compile starts another."""
+        if self.cache is None:
+            if spawned is not None:
+                spawned.kill()
+                spawned.wait()
+            return
+        self.cache.warm(spawned)
+        if not wait:
+            return
+        try:
+            self.cache.wait_warm()
+        except GrammarError as e:
+            logger.warning("%s", e)
 
     def close(self) -> None:
         if self.cache is not None:

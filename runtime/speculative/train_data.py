@@ -16,6 +16,7 @@ import random
 from importlib.util import find_spec
 
 _FIRST_ROW = 60  # rows before this in each evals dataset are the benchmarks'
+_PER_SET = 8  # chat prompts from one dataset at most (the registry has hundreds of datasets: variety)
 SCHEMAS = [
     {"type": "object", "properties": {"title": {"type": "string", "maxLength": 60},
                                       "people": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
@@ -60,7 +61,7 @@ def _rows(limit: int = 200):
 
 
 def training_prompts(tokenizer, n: int, seed: int = 0) -> list[tuple[str, dict]]:
-    """n (prompt text, extra sampling params): about 45% chat, 15% code, 20% summaries, 20% JSON."""
+    """n (prompt text, extra sampling params): about 60% chat, 5% code, 18% summaries, 18% JSON."""
     rng = random.Random(seed)
     chats, passages, seen = [], [], set()
     per_set: dict[str, int] = {}
@@ -72,14 +73,14 @@ def training_prompts(tokenizer, n: int, seed: int = 0) -> list[tuple[str, dict]]
         seen.add(text)
         if 600 <= len(user) <= 2400:
             passages.append(user)
-        elif per_set.get(name, 0) < 3 and 16 <= len(text) <= 1600:
+        elif per_set.get(name, 0) < _PER_SET and 16 <= len(text) <= 1600:
             per_set[name] = per_set.get(name, 0) + 1
             chats.append(text)
     rng.shuffle(chats)
     rng.shuffle(passages)
     code = _code_stubs()
-    n_code, n_sum = int(0.15 * n), int(0.2 * n)
-    n_json = int(0.2 * n)
+    n_code, n_sum = int(0.05 * n), int(0.18 * n)
+    n_json = int(0.18 * n)
     out: list[tuple[str, dict]] = [(c, {}) for c in code[:n_code]]
 
     def chat(text: str) -> str:
