@@ -201,7 +201,7 @@ def test_narrowings_admit_only_valid_documents(backends, tokenizer):
             except GrammarError:
                 continue
             compiled += 1
-            for doc in _random_documents(g, vocab, tokenizer, 8):
+            for doc in _random_documents(g, vocab, tokenizer, 5):
                 errors = [e.message for e in check.iter_errors(json.loads(doc))]
                 assert not errors, (what, name, doc, errors)
         assert compiled, what

@@ -54,8 +54,8 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, place: RankPlace, 
         from plait.runtime.model_executor.model_runner import ModelRunner
         from plait.runtime.scheduler.scheduler import Scheduler
 
-        # the grammar compile worker imports its libraries (seconds of CPU) while the model loads, and is ready
-        # before this process reports ready: started after, it slowed the first requests' decode 2-4x
+        # the grammar compile worker imports its libraries (seconds of CPU) while the model loads: started after,
+        # it slowed the first requests' decode 2-4x
         spawned = spawn_worker() if args.grammar_backend != "none" and not args.skip_tokenizer_init else None
         ctx = zmq.Context()
         inbox = Receiver(ctx, addrs.scheduler_of(place.replica), ToScheduler)
