@@ -203,7 +203,7 @@ class ServerArgs:
 
     def local_ranks(self) -> int:
         """Runtime processes running forwards on this machine (each a rank of a replica)."""
-        return max(self.tp_size, self.ep_size) // self.nnodes * (self.dp_size if self.node_rank == 0 else 1)
+        return self.ranks_per_node * (self.dp_size if self.node_rank == 0 else 1)
 
     def takes_every_core(self) -> bool:
         """Whether the forwards of this machine's ranks use all its cores (no core idle beside them)."""
@@ -233,7 +233,7 @@ class ServerArgs:
             draft = default_draft_path()
         tp_size = max(self.tp_size, self.ep_size)
         # ranks on one machine share its cores: by default each takes an equal share instead of all of them
-        local = dataclasses.replace(self, tp_size=tp_size).local_ranks()
+        local = self.local_ranks()
         num_threads = self.num_threads or (max(1, (os.cpu_count() or 1) // local) if local > 1 else 0)
         return dataclasses.replace(
             self, model_path=self.model_path or default_model_path(), device=device, dtype=dtype,
@@ -269,7 +269,8 @@ class ServerArgs:
 
     @property
     def ranks_per_node(self) -> int:
-        return self.tp_size // self.nnodes
+        """Ranks of one replica on each machine (--ep-size alone sets the tensor-parallel ranks too)."""
+        return max(self.tp_size, self.ep_size) // self.nnodes
 
     def _resolved_api_key(self) -> str | None:
         """--api-key, else --api-key-file, else $PLAIT_API_KEY (files and env keep it out of `ps`)."""

@@ -12,10 +12,10 @@ import torch
 from tqdm import tqdm
 
 from plait.runtime.distributed.group import SINGLE, Group
-from plait.runtime.model_config import ModelConfig
-from plait.runtime.model_loader.sources import GGUFSource, HFSource, open_source
 from plait.runtime.layers.linear import VocabEmbedding
 from plait.runtime.layers.quantization import QuantConfig
+from plait.runtime.model_config import ModelConfig
+from plait.runtime.model_loader.sources import GGUFSource, HFSource, open_source
 from plait.runtime.models import LlamaForCausalLM, model_class
 
 logger = logging.getLogger(__name__)

@@ -56,7 +56,7 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, place: RankPlace, 
 
         # the grammar compile worker imports its libraries (seconds of CPU) while the model loads: started after,
         # it slowed the first requests' decode 2-4x
-        spawned = spawn_worker() if args.grammar_backend != "none" and not args.skip_tokenizer_init else None
+        spawned = spawn_worker() if args.grammar_backend != "none" else None
         ctx = zmq.Context()
         inbox = Receiver(ctx, addrs.scheduler_of(place.replica), ToScheduler)
         out = Sender(ctx, addrs.detokenizer)

@@ -138,8 +138,7 @@ def _features(args, seqs: list[tuple[list[int], int]], ns) -> dict:
     cfg = runner.config
     capture = default_aux_layers(cfg.num_layers) if ns.kind == "EAGLE3" else (FINAL_HIDDEN,)
     runner.req_to_token.table[0, :longest] = torch.arange(longest)
-    feats, labels = [], []
-    tokens = []
+    feats, labels, tokens = [], [], []
     for seq, prompt_len in tqdm(seqs, desc="target features", unit="seq"):
         seq = seq[: ns.max_len]
         item = WorkItem(0, 0, seq, [len(seq) - 1], ForwardMode.EXTEND)
