@@ -9,9 +9,11 @@ Workloads (prompts from packaged data; see benchmarks/workloads.py):
   summary    passages from the `evals` registry (the longest prompts), summarized
   json       the summary passages again, their facts extracted to a JSON schema
 
-For each workload and batch size (1, 4, 16 requests in flight), decode tok/s with and without
-drafts (output tokens over wall time), the acceptance length (tokens per verify forward: kept draft
-plus the next token) and the share of draft tokens kept.
+For each workload and batch size (1, 4, 16 requests in flight), tok/s with and without drafts (output
+tokens over wall time, prefill included), the decode speed-up (each request streams: output tokens after
+the first over the time after the first, summed over requests; at batch 1 this is decode tok/s, the
+long prompts' prefill left out), the acceptance length (tokens per verify forward: kept draft plus the
+next token) and the share of draft tokens kept.
 
     python benchmarks/bench_speculative.py              # table in results/speculative.md
     python benchmarks/bench_speculative.py --batches 1 --workloads code,summary --rounds 1
@@ -90,13 +92,26 @@ def workload(name: str, tok, n: int) -> tuple[list[str], dict]:
     raise SystemExit(f"unknown workload {name!r}")
 
 
-def run(engine, prompts: list[str], params: dict, batch: int) -> tuple[float, list[dict]]:
-    """`batch` requests in flight at a time (a new one starts as one ends); wall time and results."""
+def one(engine, prompt: str, params: dict) -> tuple[dict, float]:
+    """One streamed request: its result and its decode time (from its first token to its end)."""
+    first = None
+    for snap in engine.generate(prompt, params, stream=True):
+        if first is None and snap["meta_info"]["completion_tokens"]:
+            first = time.perf_counter()
+    return snap, time.perf_counter() - first
+
+
+def run(engine, prompts: list[str], params: dict, batch: int) -> tuple[float, float, list[dict]]:
+    """`batch` requests in flight at a time (a new one starts as one ends); wall time, decode tok/s (tokens after
+    each request's first over the time after it, summed) and results."""
     engine.flush_cache()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(batch) as pool:
-        outs = list(pool.map(lambda p: engine.generate(p, params), prompts))
-    return time.perf_counter() - t0, outs
+        done = list(pool.map(lambda p: one(engine, p, params), prompts))
+    wall = time.perf_counter() - t0
+    outs = [o for o, _ in done]
+    decoded = sum(o["meta_info"]["completion_tokens"] - 1 for o in outs)
+    return wall, decoded / sum(t for _, t in done), outs
 
 
 def main() -> None:
@@ -133,14 +148,15 @@ def main() -> None:
             for batch in map(int, args.batches.split(",")):
                 n = args.requests or max(4, 2 * batch)
                 prompts, params = workload(name, tok, n)
-                times = {k: [] for k in engines}
+                times, decode = {k: [] for k in engines}, {k: [] for k in engines}
                 outs, spec = {}, {a: [0, 0, 0] for a in algorithms}  # verifies, drafted, kept
                 for r in range(args.rounds):
                     order = list(engines) if r % 2 == 0 else list(reversed(engines))
                     for k in order:
                         before = engines[k].get_server_info()
-                        dt, outs[k] = run(engines[k], prompts, params, batch)
+                        dt, rate, outs[k] = run(engines[k], prompts, params, batch)
                         times[k].append(dt)
+                        decode[k].append(rate)
                         after = engines[k].get_server_info()
                         if k != "off":
                             spec[k] = [after[f] - before[f] for f in
@@ -152,10 +168,12 @@ def main() -> None:
                     verifies, drafted, kept = spec[a]
                     same = sum(x["output_ids"] == y["output_ids"] for x, y in zip(outs["off"], outs[a]))
                     per[a] = (tokens / min(times[a]), 1 + kept / verifies if verifies else float("nan"),
-                              kept / drafted if drafted else 0.0, f"{same}/{len(prompts)}")
+                              kept / drafted if drafted else 0.0, f"{same}/{len(prompts)}",
+                              max(decode[a]) / max(decode["off"]))
                 rows.append((name, batch, len(prompts), tokens, off, per, os.getloadavg()[0]))
                 print(name, batch, len(prompts), tokens, f"off {off:.1f}", " ".join(
-                    f"{a} {v[0]:.1f} ({v[0] / off:.2f}x, accept {v[1]:.2f}, same {v[3]})" for a, v in per.items()),
+                    f"{a} {v[0]:.1f} ({v[0] / off:.2f}x, decode {v[4]:.2f}x, accept {v[1]:.2f}, same {v[3]})"
+                    for a, v in per.items()),
                     f"load {rows[-1][-1]:.1f}", flush=True)
     finally:
         for e in engines.values():
@@ -163,12 +181,14 @@ def main() -> None:
 
     cmd = "python benchmarks/bench_speculative.py " + " ".join(sys.argv[1:])
     head = "| workload | batch | requests | tokens | tok/s off | " + " | ".join(
-        f"tok/s {a} | speed-up | accept length | draft kept | identical" for a in algorithms) + " | load |"
+        f"tok/s {a} | speed-up | decode speed-up | accept length | draft kept | identical" for a in algorithms) + \
+        " | load |"
     lines = [f"# Speculative decoding ({', '.join(algorithms)}) vs none\n",
              f"`{cmd.strip()}` ({args.threads} threads, {args.dtype}, greedy, {args.num_draft_tokens} tokens per verify "
-             f"at most, best of {args.rounds})\n", head, "|" + "---|" * (6 + 5 * len(algorithms))]
+             f"at most, best of {args.rounds})\n", head, "|" + "---|" * (6 + 6 * len(algorithms))]
     for name, batch, n, tokens, off, per, load in rows:
-        cells = " | ".join(f"{v[0]:.1f} | {v[0] / off:.2f}x | {v[1]:.2f} | {v[2]:.0%} | {v[3]}" for v in per.values())
+        cells = " | ".join(f"{v[0]:.1f} | {v[0] / off:.2f}x | {v[4]:.2f}x | {v[1]:.2f} | {v[2]:.0%} | {v[3]}"
+                           for v in per.values())
         lines.append(f"| {name} | {batch} | {n} | {tokens} | {off:.1f} | {cells} | {load:.1f} |")
     text = "\n".join(lines) + "\n"
     print(text)

@@ -48,6 +48,11 @@ def test_ngram_proposes_what_followed_the_longest_latest_match():
     assert ix.propose(seq, 3) == [1, 2, 4]
     assert ix.propose(seq + [6], 3) == []  # 6 never occurred
     assert ix.propose(seq, 0) == []
+    # forced text not yet verified (after `settled` tokens) takes part in the lookup but is never indexed
+    ix = NgramIndex(1, 2)
+    assert ix.propose([1, 2, 3, 4, 5, 2, 3], 2, settled=5) == [4, 5]
+    # the model wrote 7 where [2, 3] was drafted: [2] is looked up where it really occurred, not in the rejected tail
+    assert ix.propose([1, 2, 3, 4, 5, 7, 2], 2, settled=7) == [3, 4]
     with pytest.raises(ValueError, match="min_ngram"):
         NgramIndex(3, 2)
 
@@ -175,10 +180,13 @@ def test_drafts_with_sampling_seeds_and_schema(engines):
     ask = chat_prompt(plain.tokenizer, "Give this person as JSON with name, born and field: " + TEXTS[3])
     schema = {"json_schema": json.dumps(PERSON), "max_new_tokens": 64}
     params = [dict(schema, temperature=0)] + [dict(schema, temperature=0.7, seed=s) for s in (1, 2)]
+    before = spec.get_server_info()["spec_seeded_verifies"]
     ref, got = _run(plain, [ask] * 3, params, 3), _run(spec, [ask] * 3, params, 3)
     for r, g in zip(ref, got):
         assert g["output_ids"] == r["output_ids"]
         assert not list(jsonschema.Draft202012Validator(PERSON).iter_errors(json.loads(g["text"])))
+    if spec.args.speculative_algorithm == "NGRAM":  # a lookup guess follows the forced text ('", "born": ')
+        assert spec.get_server_info()["spec_seeded_verifies"] > before
 
 
 def test_stops_inside_a_kept_draft_and_logprobs(engines):
@@ -238,27 +246,41 @@ def test_draft_sizes_follow_measured_cost_and_acceptance():
     """Drafts are sized by what pays: flat forward costs and likely acceptance draft to the cap; forwards whose
     cost grows with every row (quantized weights) or unlikely acceptance draft little or nothing; a batch size
     never measured runs a plain step first."""
-    from plait.runtime.speculative.cost import RowCost, choose_sizes, fill_caps
+    from plait.runtime.speculative.cost import Acceptance, RowCost, choose_sizes, fill_caps
+
+    def a(*per_token: float) -> list[Acceptance]:
+        return [Acceptance(x, x) for x in per_token]
 
     cost = RowCost()
-    assert choose_sizes(cost, 1, [0.9], [7], 12) == [0]  # nothing measured: measure the plain step
+    assert choose_sizes(cost, 1, a(0.9), [7], 12) == [0]  # nothing measured: measure the plain step
     cost.record(1, 0.080)
-    assert choose_sizes(cost, 1, [0.9], [7], 12) == [7]  # more rows never measured: costed as one row, tried
+    assert choose_sizes(cost, 1, a(0.9), [7], 12) == [7]  # more rows never measured: costed as one row, tried
     for rows, t in ((2, 0.082), (4, 0.112), (8, 0.146), (12, 0.151)):  # float32 on 2 AVX2 cores
         cost.record(rows, t)
-    assert choose_sizes(cost, 1, [0.8], [7], 12)[0] >= 4
-    assert choose_sizes(cost, 1, [0.8], [7], 12, step_seconds=0.03) in ([2], [3])  # a slow draft head costs depth
-    assert choose_sizes(cost, 1, [0.01], [7], 12) == [0]
+    assert choose_sizes(cost, 1, a(0.8), [7], 12)[0] >= 4
+    assert choose_sizes(cost, 1, a(0.8), [7], 12, step_seconds=0.03) in ([2], [3])  # a slow draft head costs depth
+    assert choose_sizes(cost, 1, a(0.01), [7], 12) == [0]
     quant = RowCost()
     for rows, t in ((1, 0.0168), (2, 0.0255), (4, 0.0362), (8, 0.0653)):  # Q4_1 blocks: every row costs
         quant.record(rows, t)
-    assert choose_sizes(quant, 1, [0.3], [7], 12) == [0]
-    assert choose_sizes(quant, 1, [0.97], [7], 12)[0] >= 3
+    assert choose_sizes(quant, 1, a(0.3), [7], 12) == [0]
+    assert choose_sizes(quant, 1, a(0.97), [7], 12)[0] >= 3
     # two requests: the likelier one drafts deeper; the token budget bounds the total
-    sizes = choose_sizes(cost, 2, [0.9, 0.5], [7, 7], 6)
+    sizes = choose_sizes(cost, 2, a(0.9, 0.5), [7, 7], 6)
     assert sum(sizes) <= 6 and sizes[0] > sizes[1]
     cost.record(3, 0.5)  # measurements replace the optimistic guesses: 3 and 4 rows now cost far more
     cost.record(4, 0.5)
-    assert choose_sizes(cost, 2, [0.9, 0.9], [1, 1], 6) == [0, 0]
+    assert choose_sizes(cost, 2, a(0.9, 0.9), [1, 1], 6) == [0, 0]
+    # all or nothing (a copied run): a doubtful first token, then the rest hold. Priced per token, such a draft
+    # stays short; priced in two parts it goes deep, the more so as each step costs more than its forward
+    cost = RowCost()
+    for rows, t in ((1, 0.080), (2, 0.082), (4, 0.112), (8, 0.146)):
+        cost.record(rows, t)
+    assert choose_sizes(cost, 1, a(0.3), [7], 12, overhead=0.02)[0] <= 2
+    assert choose_sizes(cost, 1, [Acceptance(0.3, 0.95)], [7], 12, overhead=0.02)[0] >= 5
+    copying = Acceptance()
+    for kept, tried in ((0, 1), (5, 5), (0, 1), (5, 5), (0, 1), (0, 1)):
+        copying.update(kept, tried)
+    assert copying.first < 0.5 < 0.8 < copying.rest
     # the fixed policy: each its cap; a short budget shared one token at a time
     assert fill_caps([3, 7, 2], 6) == [2, 2, 2] and fill_caps([1, 7], 5) == [1, 4] and fill_caps([3, 2], 12) == [3, 2]

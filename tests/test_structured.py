@@ -375,6 +375,21 @@ def test_json_style_whitespace_and_key_order(backends, tokenizer):
                                        JsonStyle(narrow=False))
 
 
+def test_a_speculative_guess_stops_short_of_the_grammars_end(backends, tokenizer):
+    """A verify has no row to pick from after the grammar's end, so a guess is cut before the token that ends it
+    (the model picks that token itself); a forced or plain prefix check still takes it."""
+    from plait.runtime.constrained.jump_forward import allowed_prefix
+
+    ids = tokenizer.encode('{"name": "Ann", "age": 3, "city": "Paris", "tags": []}', add_special_tokens=False)
+    ids.append(tokenizer.eos_token_id)
+    for name in ("xgrammar", "llguidance"):
+        m = backends[name].compile("json_schema", json.dumps(PERSON)).matcher()
+        n = allowed_prefix(m, ids, before_end=True)
+        assert n < allowed_prefix(m, ids) and m.jump_forward_string() == '{"name": "', name  # left unchanged
+        assert all(m.accept_token(i) for i in ids[:n]) and not m.is_terminated(), name
+        assert m.accept_token(ids[n]) and m.is_terminated(), name
+
+
 def test_llguidance_matcher_contract(backends, tokenizer):
     """Refused tokens leave the state as it was; rollback, copy, jump-forward text and the end (EOS
     taken where llguidance has stopped by itself) behave as xgrammar's matcher does."""

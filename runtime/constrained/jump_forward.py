@@ -32,13 +32,18 @@ def plan_draft(matcher: Matcher, tokenizer, room: int) -> list[int]:
     return ids[: allowed_prefix(matcher, ids)]
 
 
-def allowed_prefix(matcher: Matcher, ids: list[int]) -> int:
-    """How many leading `ids` the matcher accepts in a row (it is left unchanged)."""
+def allowed_prefix(matcher: Matcher, ids: list[int], before_end: bool = False) -> int:
+    """How many leading `ids` the matcher accepts in a row (it is left unchanged); with `before_end`, none that
+    ends the grammar (a verify has no row to pick from after the end: the model picks the end itself)."""
     accepted = 0
     for t in ids:
         if not matcher.accept_token(t):
             break
         accepted += 1
+        if before_end and matcher.is_terminated():
+            matcher.rollback(1)
+            accepted -= 1
+            break
     matcher.rollback(accepted)
     return accepted
 

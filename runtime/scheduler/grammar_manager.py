@@ -245,7 +245,7 @@ class GrammarManager:
         draft = plan_draft(req.grammar, self.tokenizer, min(room, self.draft_budget))
         if draft:
             self.draft_budget -= len(draft)
-            req.set_draft(draft, "jump_forward")
+            req.set_draft(draft, forced=True)
 
     def _close_if_due(self, req: Req, left: int) -> int:
         """Within CLOSE_WINDOW tokens of the budget, plan the grammar's completion; once the tokens left
@@ -295,11 +295,16 @@ class GrammarManager:
         req.grammar.rollback(len(draft) - m)  # the mask fill stepped through the whole draft
         return m, chosen[m], False
 
-    def admissible(self, req: Req, draft: list[int]) -> list[int]:
-        """The longest prefix of a speculative draft the request's grammar allows (matcher unchanged)."""
+    def admissible(self, req: Req, guess: list[int]) -> list[int]:
+        """The longest prefix of a speculative guess the request's grammar allows after its draft so far (the
+        forced text, if any; matcher unchanged), short of the grammar's end."""
         if isinstance(req.grammar, ClosingMatcher) or req.close_plan is not None:
             return []  # near the budget the closing plans the end: no guesses
-        return draft[: allowed_prefix(req.grammar, draft)]
+        for t in req.draft:
+            req.grammar.accept_token(t)  # checked when the forced text was planned
+        n = allowed_prefix(req.grammar, guess, before_end=True)
+        req.grammar.rollback(len(req.draft))
+        return guess[:n]
 
     def _masked_pick(self, req: Req, row: torch.Tensor, sr: SampleRow) -> int:
         """Sample the logits row [1, vocab] again under the mask of the matcher's current state (the

@@ -38,14 +38,15 @@ class Req:
         self.grammar_narrowed: list[str] = []  # how its JSON schema was narrowed (schema_policy.py)
         self.close_plan: list[int] | None = None  # the grammar's last planned completion (closing.py)
         self.draft: list[int] = []  # drafted tokens at the end of output_ids, not yet verified
-        self.draft_kind = ""  # what drafted them: "jump_forward" (the grammar) or "speculative"
+        # leading draft tokens that are the grammar's forced text (jump-forward); the rest are speculative guesses
+        self.draft_forced = 0
         self.draft_parents: list[int] | None = None  # a draft tree: the node each node follows (-1: last sampled)
         self.verified_rows: list[int] | None = None  # rows of the last verify in position order (a tree's path first)
         self.ngram = None  # its NgramIndex, under --speculative-algorithm NGRAM
         self.spec_verify_ct = 0  # forwards that verified a speculative draft of this request
         self.spec_drafted = 0  # speculative draft tokens verified
         self.spec_accepted = 0  # of which the model kept
-        self.spec_alpha: float | None = None  # per-token acceptance of recent drafts (sizes the next draft)
+        self.spec_accept = None  # its speculative/cost.Acceptance of recent drafts once it drafts (sizes the next)
         self.row: int | None = None
         self.last_node = None
         self.cached_len = 0
@@ -68,17 +69,30 @@ class Req:
         self.pending_input_logprobs: list[tuple[float | None, int]] = []
         self.pending_input_top: list[list[tuple[float, int]] | None] = []
 
-    def set_draft(self, draft: list[int], kind: str, parents: list[int] | None = None) -> None:
-        """Append a draft to output_ids (a tree's nodes, parents first, when `parents` is given); the next
-        forward computes it and the model verifies it."""
-        self.draft, self.draft_kind, self.draft_parents = draft, kind, parents
+    def set_draft(self, draft: list[int], forced: bool, parents: list[int] | None = None) -> None:
+        """Append a draft to output_ids: the grammar's forced text (`forced`) or a speculative guess (a tree's
+        nodes, parents first, when `parents` is given); the next forward computes it and the model verifies it."""
+        self.draft, self.draft_forced, self.draft_parents = draft, len(draft) if forced else 0, parents
         self.output_ids.extend(draft)
 
-    def drop_draft(self) -> None:
-        """Forget an unverified draft (the request is being retracted or failed)."""
-        if self.draft:
-            del self.output_ids[-len(self.draft):]
-            self.draft, self.draft_parents = [], None
+    def add_guess(self, guess: list[int]) -> None:
+        """A speculative guess after the forced text already drafted (verified in the same forward)."""
+        self.draft = self.draft + guess
+        self.output_ids.extend(guess)
+
+    @property
+    def guess_len(self) -> int:
+        """Speculative draft tokens (after any forced ones)."""
+        return len(self.draft) - self.draft_forced
+
+    def drop_draft(self, guess_only: bool = False) -> None:
+        """Forget an unverified draft (the request is being retracted or failed), or only its guess."""
+        drop = self.guess_len if guess_only else len(self.draft)
+        if drop:
+            del self.output_ids[-drop:]
+            self.draft, self.draft_parents = self.draft[: len(self.draft) - drop], None
+        if not self.draft:
+            self.draft_forced = 0
 
     @property
     def fill_ids(self) -> list[int]:

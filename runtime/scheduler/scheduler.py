@@ -140,7 +140,7 @@ class Scheduler:
         items = [self._work_item(req, n, i >= len(prefill)) for i, (req, n) in enumerate(batch)]
         masks = self.grammars.start_masks([r for r, n in batch if r.cached_len + n == r.seq_len])
         features = None
-        speculative = any(r.draft and r.draft_kind == "speculative" for r, _ in batch)
+        speculative = any(r.guess_len for r, _ in batch)
         tokens_before = self.tokens_generated
         start = time.perf_counter()
         if self.spec.capture:  # the draft head reads the target's features at every committed position
@@ -301,10 +301,11 @@ class Scheduler:
             took += self._sample(to_sample, logits, mask_rows)
         for req, first in to_verify:
             before = req.output_len - len(req.draft)
-            with self._isolated(req, f"verifying its {req.draft_kind} draft"):
+            with self._isolated(req, "verifying its draft"):
                 self.spec.verify(req, logits[first : first + len(req.draft) + 1], mask_rows, self.eos_ids,
                                  self.context_length)
-                self.tokens_generated += req.output_len - before
+                # a forced draft planned for the next forward is in output_ids already: not generated yet
+                self.tokens_generated += req.output_len - len(req.draft) - before
                 self.kv.cache_prefix(req)  # only tokens the model confirmed
                 took.append(req)
         try:
@@ -312,8 +313,7 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - drafts only save time: a fault planning them costs this step its drafts
             logger.exception("planning speculative drafts failed; this step drafts nothing")
             for req in took:
-                if req.draft_kind == "speculative":
-                    req.drop_draft()
+                req.drop_draft(guess_only=True)
         self._reap()
 
     # ---- faults of one request --------------------------------------------------------

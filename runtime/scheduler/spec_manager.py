@@ -2,10 +2,12 @@
 
 A draft is tokens appended to a request's output that the next forward computes in one extend,
 with logits at the last sampled token and at every draft position. Two kinds plan them:
-- jump-forward (`jump_forward`): the grammar's forced text (GrammarManager plans it);
-- speculative (`speculative`): a guess with no guarantee, cut to what the request's grammar allows:
-  EAGLE / EAGLE3, a small head over the target's features (runtime/speculative/eagle_worker.py), or
-  NGRAM prompt lookup (runtime/speculative/ngram.py).
+- jump-forward (`Req.draft_forced` leading tokens): the grammar's forced text (GrammarManager plans it);
+- speculative (the rest, `Req.guess_len`): a guess with no guarantee, cut to what the request's grammar
+  allows: EAGLE / EAGLE3, a small head over the target's features (runtime/speculative/eagle_worker.py), or
+  NGRAM prompt lookup (runtime/speculative/ngram.py). An NGRAM guess may follow forced text in the same
+  draft, looked up over it (a JSON key, then the value the passage gives); a head cannot, having no
+  features for tokens the target has not computed.
 
 Verification is the same for both: the model picks a token at each position exactly as it would
 have decoding one token per step (the same sampler, the same per-request generator, one draw per
@@ -42,16 +44,12 @@ from plait.runtime.model_executor.model_runner import tree_depths
 from plait.runtime.scheduler.grammar_manager import GrammarManager, Masks
 from plait.runtime.scheduler.req import Req
 from plait.runtime.server_args import ServerArgs
-from plait.runtime.speculative.cost import RowCost, choose_sizes, fill_caps
+from plait.runtime.speculative.cost import Acceptance, RowCost, StepRate, choose_sizes, fill_caps
 from plait.runtime.speculative.eagle_worker import DraftSeed, EagleDrafter, ExtendRun
 from plait.runtime.speculative.ngram import NgramIndex
 from plait.runtime.speculative.verify import walk_draft
 
-_EMA = 0.3  # weight of the latest measurement in the running means below (acceptance, draft step, step rates)
-_ALPHA_PRIOR = 0.7  # per-token acceptance assumed before a request's first verify
-# per step without a draft, a request's acceptance moves this share back to the prior: text changes (a quote, a
-# list) and a request that once drafted badly is tried again after ~10 steps, not never
-_RELAX = 0.05
+_EMA = 0.3  # weight of the latest measurement in the draft step's running mean
 # a batch size whose steps with drafts measured fewer tokens a second than its steps without drafts still
 # drafts once in this many steps, so its rate stays current
 _PROBE_EVERY = 16
@@ -71,18 +69,23 @@ class SpecManager:
         self.max_nodes = args.speculative_num_draft_tokens - 1  # draft tokens one verify may hold
         self.max_draft = min(args.speculative_num_steps or self.max_nodes, self.max_nodes)  # chain length / tree depth
         self.budget = 0  # speculative draft tokens this step may still add
+        self.jumped_before = 0  # forced draft tokens kept before this step's verifications
         self.no_room = False  # the row budget (or a queue) leaves no room for drafts this step
         self.base_rows = 0  # rows the next forward holds without drafts
         self.cost = RowCost()
         self.step_seconds = 0.0  # an EAGLE draft step's running mean wall time
+        self.forward_seconds = 0.0  # the latest decode forward's wall time
+        self.overhead = 0.0  # running mean of a decode step's wall time beyond its forward and its draft steps
+        self.drafting_seconds = 0.0  # this step's draft steps (priced apart, by step_seconds)
         # realized tokens a second of whole decode steps (forward, verify, sampling, the head's pass, drafting),
         # by running requests, for steps that verified speculative drafts (True) and steps that did not (False):
         # what the cost model leaves out (the walk, the head, Python) is in these
-        self.realized: dict[int, dict[bool, float]] = {}
+        self.realized: dict[int, dict[bool, StepRate]] = {}
         self.held_back: dict[int, int] = {}  # steps drafting was held back, by running requests
         self.drafted = {"jump_forward": 0, "speculative": 0}  # draft tokens verified, by kind
         self.kept = {"jump_forward": 0, "speculative": 0}  # of which the model kept
         self.spec_verifies = 0  # forwards' verifications of speculative drafts (one per request)
+        self.seeded_verifies = 0  # of which the guess followed the grammar's forced text in the same draft
 
     @property
     def capture(self) -> tuple[int, ...]:
@@ -98,49 +101,57 @@ class SpecManager:
         self.budget = 0 if self.no_room or not self._drafts_pay(running) else \
             self.args.speculative_token_budget - running
         self.base_rows = running
+        self.jumped_before = self.kept["jump_forward"]  # record_step leaves out what this step's forced text kept
+        self.drafting_seconds = 0.0
         self.grammars.draft_budget = max(0, self.args.jump_forward_token_budget - running)
 
     # ---- planning ------------------------------------------------------------------------
     def plan(self, took: list[Req], batch: list[tuple[Req, int]], items: list, features: list | None,
              context_length: int) -> None:
         """After the step's tokens are committed: speculative drafts for the requests in `took` (those that
-        took tokens) that drafted nothing else. An EAGLE head first reads every committed position of the
-        batch (`features`: the target's, per work item)."""
+        took tokens) that drafted nothing else (NGRAM: or only forced text). An EAGLE head first reads every
+        committed position of the batch (`features`: the target's, per work item)."""
         caps = {req: self._cap(req, context_length) for req in took}
         cands = [req for req, cap in caps.items() if cap > 0]
-        alphas, limits = [r.spec_alpha for r in cands], [caps[r] for r in cands]
+        limits = [caps[r] for r in cands]
         if self.args.speculative_draft_policy == "fixed":
             chosen = fill_caps(limits, self.budget)
         else:
-            chosen = choose_sizes(self.cost, self.base_rows, alphas, limits, self.budget, self.step_seconds)
+            chosen = choose_sizes(self.cost, self.base_rows, [r.spec_accept for r in cands], limits, self.budget,
+                                  self.step_seconds, self.overhead)
         for req, n in zip(cands, chosen):
             if n == 0:  # no verify will update its acceptance: drift back to the prior, so it is tried again
-                req.spec_alpha += _RELAX * (_ALPHA_PRIOR - req.spec_alpha)
+                req.spec_accept.relax()
         sizes = {req: n for req, n in zip(cands, chosen) if n > 0}
         self.budget -= sum(sizes.values())
         trees: dict[Req, tuple[list[int], list[int]]] = {}
         if self.drafter is not None:
             drafts, trees = self._eagle_drafts(batch, items, features, sizes, context_length)
-        else:
-            drafts = {req: req.ngram.propose(req.fill_ids, size) for req, size in sizes.items()}
+        else:  # NGRAM: a guess may follow the grammar's forced text, looked up over it
+            drafts = {req: req.ngram.propose(req.fill_ids, size, settled=req.seq_len - len(req.draft))
+                      for req, size in sizes.items()}
         for req, draft in drafts.items():
             if draft and req.grammar is not None:
                 draft = self.grammars.admissible(req, draft)
             self.budget += sizes[req] - len(draft)
-            if draft:
-                req.set_draft(draft, "speculative")
+            if draft and req.draft:
+                req.add_guess(draft)
+            elif draft:
+                req.set_draft(draft, forced=False)
         for req, (tokens, parents) in trees.items():
             self.budget += sizes[req] - len(tokens)
-            req.set_draft(tokens, "speculative", parents)
+            req.set_draft(tokens, forced=False, parents=parents)
 
     def _cap(self, req: Req, context_length: int) -> int:
         """The most tokens `req` may draft now (0: none); `choose_sizes` decides how many pay."""
-        if self.algorithm is None or req.finish is not None or req.draft or self.budget <= 0:
+        if self.algorithm is None or req.finish is not None or self.budget <= 0:
             return 0
+        if req.draft and (req.guess_len or self.drafter is not None):
+            return 0  # a guess may follow forced text only by lookup: a head has no features for unverified tokens
         if req.grammar is not None and (req.return_logprob or req.params.has_penalties):
             return 0  # constrained picks over a draft are masked per position: no per-token logprobs or penalties
-        if req.spec_alpha is None:
-            req.spec_alpha = _ALPHA_PRIOR
+        if req.spec_accept is None:
+            req.spec_accept = Acceptance()
             if self.algorithm == "NGRAM":
                 req.ngram = NgramIndex(self.args.speculative_ngram_min_match_window_size,
                                        self.args.speculative_ngram_max_match_window_size)
@@ -148,17 +159,22 @@ class SpecManager:
         return max(0, min(self.max_nodes if self._tree(req) else self.max_draft, left))
 
     def record_step(self, requests: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A whole decode step: its requests, whether it verified speculative drafts, tokens it emitted."""
+        """A whole decode step: its requests, whether it verified speculative drafts, tokens it emitted. The
+        grammar's forced tokens kept are left out: jump-forward runs with or without guesses, and counting
+        what it keeps would credit whichever side happened to verify forced text."""
         if seconds <= 0:
             return
-        rates = self.realized.setdefault(requests, {})
-        rates[drafted] = _running_mean(rates.get(drafted), tokens / seconds)
+        beyond = seconds - self.forward_seconds - self.drafting_seconds
+        self.overhead = _running_mean(self.overhead or None, max(0.0, beyond))
+        tokens -= self.kept["jump_forward"] - self.jumped_before
+        self.realized.setdefault(requests, {}).setdefault(drafted, StepRate()).add(tokens, seconds)
+        rates = self.realized[requests]
 
     def _drafts_pay(self, requests: int) -> bool:
         """False while, at this many running requests, steps with drafts measured slower than steps without
         (under the measured policy; the fixed policy always drafts), but for a probe now and then."""
         rates = self.realized.get(requests, {})
-        if self.args.speculative_draft_policy == "fixed" or len(rates) < 2 or rates[True] >= rates[False]:
+        if self.args.speculative_draft_policy == "fixed" or len(rates) < 2 or rates[True].rate >= rates[False].rate:
             return True
         self.held_back[requests] = self.held_back.get(requests, 0) + 1
         if self.held_back[requests] % _PROBE_EVERY == 0:
@@ -168,6 +184,7 @@ class SpecManager:
     def record_forward(self, rows: int, seconds: float) -> None:
         """The wall time of a forward of decode and verify rows only (the cost drafts are weighed by)."""
         self.cost.record(rows, seconds)
+        self.forward_seconds = seconds
 
     def _tree(self, req: Req) -> bool:
         """Whether `req` drafts a tree (EAGLE with top-k > 1; a grammar cuts chains only)."""
@@ -211,8 +228,9 @@ class SpecManager:
         trees = dict(zip(drafting[True], self.drafter.draft_tree(seeds[True], [sizes[r] for r in drafting[True]],
                                                                  depth, self.topk)))
         steps = max(chain_sizes + depth, default=0)
+        self.drafting_seconds = time.perf_counter() - start
         if steps:
-            took = (time.perf_counter() - start) / steps
+            took = self.drafting_seconds / steps
             self.step_seconds = _running_mean(self.step_seconds or None, took)
         return {req: chains.get(req, []) for req in sizes if req not in trees}, trees
 
@@ -220,7 +238,7 @@ class SpecManager:
     def verify(self, req: Req, rows: torch.Tensor, masks: Masks | None, eos_ids: set[int],
                context_length: int) -> None:
         """rows: logits at the last sampled token and at each draft position (1 + len(draft))."""
-        draft, kind, parents = req.draft, req.draft_kind, req.draft_parents
+        draft, forced, parents = req.draft, req.draft_forced, req.draft_parents
         logprobs = None
         if req.grammar is not None:
             kept, tok, accepted = self.grammars.pick_verified(req, rows, masks)
@@ -230,17 +248,20 @@ class SpecManager:
                 self._linearize(req, path)
             kept = len(path)
             accepted = False
-        self.drafted[kind] += len(draft)
-        self.kept[kind] += kept
-        if kind == "speculative":
+        self.drafted["jump_forward"] += forced
+        self.kept["jump_forward"] += min(kept, forced)
+        guessed, guessed_kept = len(draft) - forced, kept - forced
+        if guessed and guessed_kept >= 0:  # a guess after forced text the model rejected was never tried
+            self.drafted["speculative"] += guessed
+            self.kept["speculative"] += guessed_kept
             self.spec_verifies += 1
+            self.seeded_verifies += forced > 0
             req.spec_verify_ct += 1
-            req.spec_drafted += len(draft)
-            req.spec_accepted += kept
-            # per-token acceptance of this verify: kept tokens over the tokens tried (the miss counts, if any)
-            deepest = len(draft) if parents is None else max(tree_depths(parents))
-            tried = kept + (1 if kept < deepest else 0)
-            req.spec_alpha = _running_mean(req.spec_alpha, kept / tried if tried else 0.0)
+            req.spec_drafted += guessed
+            req.spec_accepted += guessed_kept
+            # the tokens whose fate this verify decided: the kept ones and the miss, if any
+            deepest = guessed if parents is None else max(tree_depths(parents))
+            req.spec_accept.update(guessed_kept, guessed_kept + (1 if guessed_kept < deepest else 0))
         self._commit(req, kept, tok, logprobs, accepted, eos_ids, context_length)
 
     def _linearize(self, req: Req, path: list[int]) -> None:
@@ -289,7 +310,7 @@ class SpecManager:
             "spec_draft_head": None if self.drafter is None else {
                 "kind": self.drafter.head.cfg.kind, "draft_vocab_size": self.drafter.head.cfg.draft_vocab_size,
                 "aux_layer_ids": list(self.drafter.head.cfg.aux_layer_ids)},
-            "spec_verifies": self.spec_verifies,
+            "spec_verifies": self.spec_verifies, "spec_seeded_verifies": self.seeded_verifies,
             "spec_draft_tokens": spec, "spec_accepted_tokens": self.kept["speculative"],
             "spec_accept_rate": round(self.kept["speculative"] / spec, 4) if spec else None,
             # tokens each verify yields: the kept draft and the model's own next token

@@ -5,8 +5,8 @@ forward of 8 rows costs about 1.8x one row (the weights are read once), but with
 3.9x (the kernel unpacks the blocks for every row). So the cost is measured, not assumed:
 `RowCost` keeps the time of decode/verify forwards (no prefill in them) by their row count, and
 `choose_sizes` adds draft tokens one at a time, each to the request whose next token is likeliest
-to be kept (a draft token i deep is kept with probability alpha^i, alpha the request's measured
-per-token acceptance), and keeps the number of additions that maximises expected tokens per second
+to be kept (`Acceptance`: a draft token i deep is kept with probability first * rest^(i-1), both
+measured per request), and keeps the number of additions that maximises expected tokens per second
 of the next forward. A row count never measured is costed as the nearest smaller one measured, so
 it is tried once and then known; a batch size never measured first runs one plain step.
 """
@@ -14,6 +14,37 @@ it is tried once and then known; a batch size never measured first runs one plai
 from __future__ import annotations
 
 _WEIGHT = 0.3  # of the latest measurement in a row count's running mean
+_STEP_WEIGHT = 0.1  # of the latest step in StepRate's decayed sums (a memory of about ten steps)
+_ACCEPT_WEIGHT = 0.3  # of the latest verify in a request's acceptance
+PRIOR = 0.7  # acceptance assumed before a request's first verify
+# per step without a draft, a request's acceptance moves this share back to the prior: text changes (a quote, a
+# list) and a request that once drafted badly is tried again after ~10 steps, not never
+_RELAX = 0.05
+
+
+class Acceptance:
+    """A request's recent acceptance, in two parts: of a draft's first token, and of each further token once the
+    one before it was kept. Drafts that copy text (NGRAM) keep all or nothing, so their first token is the doubt
+    and the rest mostly hold; one per-token rate would price the deep tokens far too low."""
+
+    def __init__(self, first: float = PRIOR, rest: float = PRIOR):
+        self.first, self.rest = first, rest
+
+    def kept(self, depth: int) -> float:
+        """The probability that the draft token `depth` deep (from 1) is kept."""
+        return self.first * self.rest ** (depth - 1)
+
+    def update(self, kept: int, tried: int) -> None:
+        """One verify: `kept` draft tokens kept of the `tried` whose fate it decided (the kept and the miss)."""
+        if tried:
+            self.first += _ACCEPT_WEIGHT * (float(kept > 0) - self.first)
+        if kept and tried > 1:
+            self.rest += _ACCEPT_WEIGHT * ((kept - 1) / (tried - 1) - self.rest)
+
+    def relax(self) -> None:
+        """A step without a draft: drift back toward the prior."""
+        self.first += _RELAX * (PRIOR - self.first)
+        self.rest += _RELAX * (PRIOR - self.rest)
 
 
 class RowCost:
@@ -34,29 +65,30 @@ class RowCost:
         return self.seconds[min(above)] if above else None
 
 
-def choose_sizes(cost: RowCost, base_rows: int, alphas: list[float], caps: list[int], budget: int,
-                 step_seconds: float = 0.0) -> list[int]:
+def choose_sizes(cost: RowCost, base_rows: int, accepts: list[Acceptance], caps: list[int], budget: int,
+                 step_seconds: float = 0.0, overhead: float = 0.0) -> list[int]:
     """Draft tokens per request (caps[i] at most, `budget` in all) maximising expected tokens per second of a
-    forward that also holds `base_rows` rows (none until a forward of `base_rows` rows was measured). Drafting
-    itself costs `step_seconds` per draft step (the deepest draft's length; an EAGLE head's pass)."""
-    sizes = [0] * len(alphas)
+    step whose forward also holds `base_rows` rows (none until a forward of `base_rows` rows was measured). Drafting
+    itself costs `step_seconds` per draft step (the deepest draft's length; an EAGLE head's pass), and every step
+    `overhead` beyond its forward (sampling, grammar masks, bookkeeping: what makes extra rows relatively cheap)."""
+    sizes = [0] * len(accepts)
     if base_rows not in cost.seconds:
         return sizes  # a plain step first: its time is what every draft is weighed against
     order: list[int] = []  # the request each successive draft token goes to
-    taken = [0] * len(alphas)
+    taken = [0] * len(accepts)
     for _ in range(min(budget, sum(caps))):
-        best = max((i for i in range(len(alphas)) if taken[i] < caps[i]),
-                   key=lambda i: alphas[i] ** (taken[i] + 1), default=None)
+        best = max((i for i in range(len(accepts)) if taken[i] < caps[i]),
+                   key=lambda i: accepts[i].kept(taken[i] + 1), default=None)
         if best is None:
             break
         taken[best] += 1
         order.append(best)
-    tokens, best_rate, best_m = float(base_rows), base_rows / cost.estimate(base_rows), 0
-    counts = [0] * len(alphas)
+    tokens, best_rate, best_m = float(base_rows), base_rows / (cost.estimate(base_rows) + overhead), 0
+    counts = [0] * len(accepts)
     for m, i in enumerate(order, start=1):
         counts[i] += 1
-        tokens += alphas[i] ** counts[i]
-        rate = tokens / (cost.estimate(base_rows + m) + step_seconds * max(counts))
+        tokens += accepts[i].kept(counts[i])
+        rate = tokens / (cost.estimate(base_rows + m) + overhead + step_seconds * max(counts))
         if rate > best_rate:
             best_rate, best_m = rate, m
     for i in order[:best_m]:
@@ -74,3 +106,20 @@ def fill_caps(caps: list[int], budget: int) -> list[int]:
                 sizes[i] += 1
                 budget -= 1
     return sizes
+
+
+class StepRate:
+    """Tokens a second of recent whole steps, as decayed sums of tokens and of seconds: a step that kept a long
+    draft counts by its tokens, where a running mean of per-step rates would let a few steps that kept
+    nothing forget it (drafts that copy text keep all or nothing)."""
+
+    def __init__(self) -> None:
+        self.tokens = self.seconds = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens += _STEP_WEIGHT * (tokens - self.tokens)
+        self.seconds += _STEP_WEIGHT * (seconds - self.seconds)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds

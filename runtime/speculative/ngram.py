@@ -28,20 +28,23 @@ class NgramIndex:
                 self._ends[tuple(tokens[end - n : end])] = end
         self._indexed = max(self._indexed, upto)
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to `k` tokens that followed the longest earlier match of the sequence's last tokens."""
+    def propose(self, tokens: list[int], k: int, settled: int | None = None) -> list[int]:
+        """Up to `k` tokens that followed the longest earlier match of the sequence's last tokens. Only the
+        first `settled` tokens (default: all) are indexed; the rest (forced text not yet verified) may be
+        rejected, so they only take part in this lookup."""
         length = len(tokens)
+        settled = length if settled is None else settled
         if k <= 0 or length < 2:
             return []
-        self._catch_up(tokens, length)  # every n-gram ending before the last position
+        self._catch_up(tokens, settled)  # every settled n-gram ending before the last settled position
         draft: list[int] = []
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             end = self._ends.get(tuple(tokens[length - n :]))
             if end is not None and end < length:
                 draft = tokens[end : min(end + k, length)]
                 break
-        # the current suffix becomes an occurrence for later lookups
-        for n in range(self.min_n, min(self.max_n, length) + 1):
-            self._ends[tuple(tokens[length - n :])] = length
-        self._indexed = length + 1
+        if settled == length:  # the current suffix becomes an occurrence for later lookups
+            for n in range(self.min_n, min(self.max_n, length) + 1):
+                self._ends[tuple(tokens[length - n :])] = length
+            self._indexed = length + 1
         return draft
