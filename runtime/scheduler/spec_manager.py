@@ -168,7 +168,6 @@ class SpecManager:
         self.overhead = _running_mean(self.overhead or None, max(0.0, beyond))
         tokens -= self.kept["jump_forward"] - self.jumped_before
         self.realized.setdefault(requests, {}).setdefault(drafted, StepRate()).add(tokens, seconds)
-        rates = self.realized[requests]
 
     def _drafts_pay(self, requests: int) -> bool:
         """False while, at this many running requests, steps with drafts measured slower than steps without
