@@ -44,19 +44,15 @@ from plait.runtime.model_executor.model_runner import tree_depths
 from plait.runtime.scheduler.grammar_manager import GrammarManager, Masks
 from plait.runtime.scheduler.req import Req
 from plait.runtime.server_args import ServerArgs
-from plait.runtime.speculative.cost import Acceptance, RowCost, StepRate, choose_sizes, fill_caps
+from plait.runtime.speculative.cost import Acceptance, RowCost, StepRate, choose_sizes, fill_caps, running_mean
 from plait.runtime.speculative.eagle_worker import DraftSeed, EagleDrafter, ExtendRun
 from plait.runtime.speculative.ngram import NgramIndex
 from plait.runtime.speculative.verify import walk_draft
 
-_EMA = 0.3  # weight of the latest measurement in the draft step's running mean
+_EMA = 0.3  # weight of the latest measurement in the running means of a draft step and of a step's overhead
 # a batch size whose steps with drafts measured fewer tokens a second than its steps without drafts still
 # drafts once in this many steps, so its rate stays current
 _PROBE_EVERY = 16
-
-
-def _running_mean(old: float | None, new: float) -> float:
-    return new if old is None else (1 - _EMA) * old + _EMA * new
 
 
 class SpecManager:
@@ -165,7 +161,7 @@ class SpecManager:
         if seconds <= 0:
             return
         beyond = seconds - self.forward_seconds - self.drafting_seconds
-        self.overhead = _running_mean(self.overhead or None, max(0.0, beyond))
+        self.overhead = running_mean(self.overhead or None, max(0.0, beyond), _EMA)
         tokens -= self.kept["jump_forward"] - self.jumped_before
         self.realized.setdefault(requests, {}).setdefault(drafted, StepRate()).add(tokens, seconds)
 
@@ -230,7 +226,7 @@ class SpecManager:
         self.drafting_seconds = time.perf_counter() - start
         if steps:
             took = self.drafting_seconds / steps
-            self.step_seconds = _running_mean(self.step_seconds or None, took)
+            self.step_seconds = running_mean(self.step_seconds or None, took, _EMA)
         return {req: chains.get(req, []) for req in sizes if req not in trees}, trees
 
     # ---- verification --------------------------------------------------------------------
@@ -249,7 +245,7 @@ class SpecManager:
             accepted = False
         self.drafted["jump_forward"] += forced
         self.kept["jump_forward"] += min(kept, forced)
-        guessed, guessed_kept = len(draft) - forced, kept - forced
+        guessed, guessed_kept = req.guess_len, kept - forced
         if guessed and guessed_kept >= 0:  # a guess after forced text the model rejected was never tried
             self.drafted["speculative"] += guessed
             self.kept["speculative"] += guessed_kept

@@ -22,6 +22,11 @@ PRIOR = 0.7  # acceptance assumed before a request's first verify
 _RELAX = 0.05
 
 
+def running_mean(old: float | None, new: float, weight: float) -> float:
+    """`old` moved `weight` of the way to `new` (`new` itself when there is no `old`)."""
+    return new if old is None else old + weight * (new - old)
+
+
 class Acceptance:
     """A request's recent acceptance, in two parts: of a draft's first token, and of each further token once the
     one before it was kept. Drafts that copy text (NGRAM) keep all or nothing, so their first token is the doubt
@@ -37,14 +42,14 @@ class Acceptance:
     def update(self, kept: int, tried: int) -> None:
         """One verify: `kept` draft tokens kept of the `tried` whose fate it decided (the kept and the miss)."""
         if tried:
-            self.first += _ACCEPT_WEIGHT * (float(kept > 0) - self.first)
+            self.first = running_mean(self.first, float(kept > 0), _ACCEPT_WEIGHT)
         if kept and tried > 1:
-            self.rest += _ACCEPT_WEIGHT * ((kept - 1) / (tried - 1) - self.rest)
+            self.rest = running_mean(self.rest, (kept - 1) / (tried - 1), _ACCEPT_WEIGHT)
 
     def relax(self) -> None:
         """A step without a draft: drift back toward the prior."""
-        self.first += _RELAX * (PRIOR - self.first)
-        self.rest += _RELAX * (PRIOR - self.rest)
+        self.first = running_mean(self.first, PRIOR, _RELAX)
+        self.rest = running_mean(self.rest, PRIOR, _RELAX)
 
 
 class RowCost:
@@ -52,8 +57,7 @@ class RowCost:
         self.seconds: dict[int, float] = {}  # rows -> running mean of a forward's wall time
 
     def record(self, rows: int, seconds: float) -> None:
-        old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else (1 - _WEIGHT) * old + _WEIGHT * seconds
+        self.seconds[rows] = running_mean(self.seconds.get(rows), seconds, _WEIGHT)
 
     def estimate(self, rows: int) -> float | None:
         if rows in self.seconds:
@@ -117,8 +121,8 @@ class StepRate:
         self.tokens = self.seconds = 0.0
 
     def add(self, tokens: int, seconds: float) -> None:
-        self.tokens += _STEP_WEIGHT * (tokens - self.tokens)
-        self.seconds += _STEP_WEIGHT * (seconds - self.seconds)
+        self.tokens = running_mean(self.tokens, tokens, _STEP_WEIGHT)
+        self.seconds = running_mean(self.seconds, seconds, _STEP_WEIGHT)
 
     @property
     def rate(self) -> float:
