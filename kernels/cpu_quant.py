@@ -1,12 +1,14 @@
-"""Block-quantized weights on CPU: GGUF's Q8_0 and Q4_1 blocks, and the few-row matmul kernel over them
-(kernels/quant_linear.c: exact integer dot products against activations quantized to int16 per
-block) with its torch reference.
+"""Block-quantized weights on CPU: llama.cpp's block formats, and the few-row matmul kernel over them
+(kernels/quant_linear.c and kernels/kquant.h: exact integer dot products against activations quantized to
+int16 per block) with its torch reference.
 
-A quantized weight [N, K] is a uint8 tensor [N, K / 32 * block bytes]: each row is its K / 32 blocks
-in llama.cpp's layout, so a GGUF file's blocks load as they are stored (Q4_0 converts to Q4_1
-exactly: its implicit offset -8 becomes the block minimum -8 d). `quantize` makes the same blocks
-from a float weight (int8: symmetric absmax scales; int4: per-block min and scale); `dequantize` is
-the weight the blocks stand for (many-row matmuls use a float copy of it).
+Formats: Q8_0, Q4_1 (Q4_0 converts to it exactly: its implicit offset -8 becomes the block minimum -8 d) and
+Q5_0 in blocks of 32; the "K" formats Q4_K, Q5_K and Q6_K in super-blocks of 256 with 6- or 8-bit
+sub-block scales. A quantized weight [N, K] is a uint8 tensor [N, K / block size * block bytes]: each row
+its blocks, in llama.cpp's layout, except that Q5_K's and Q6_K's high bits become bit planes and Q6_K's
+fields are reordered (`from_gguf`, same bytes; kernels/kquant.h describes the layouts), so a GGUF file's
+blocks load with no float round trip. `quantize` makes blocks from a float weight; `dequantize` is the
+weight the blocks stand for.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import torch
 from plait.kernels import cpu_fused
 from plait.kernels.cpu_build import F32, I64, INT, PTR, load_library
 
-GROUP = 32  # weights per block
-AS_IS, RMS_NORM, SILU_MUL, ADD_RMS_NORM = 0, 1, 2, 3  # the kernel's input prologues (kernels/quant_linear.c)
+GROUP = 32  # weights per block (per sub-block in the K formats): the unit activations are summed in
+SUPER = 256  # weights per K-format block
+AS_IS, RMS_NORM, SILU_MUL, ADD_RMS_NORM, GELU_MUL = 0, 1, 2, 3, 4  # the kernel's input prologues (quant_linear.c)
 
 
 @dataclass(frozen=True)
@@ -30,20 +33,31 @@ class BlockFormat:
     code: int  # the kernel's fmt argument (kernels/quant_linear.c)
     block_bytes: int
     ggml_type: int  # GGUF's type number
+    block_size: int  # weights per block
+    fields: tuple[int, ...]  # bytes of a block's fields in the kernel's layout, in order
 
     def row_bytes(self, k: int) -> int:
-        return k // GROUP * self.block_bytes
+        return k // self.block_size * self.block_bytes
+
+    @property
+    def super_block(self) -> bool:
+        return self.block_size == SUPER
 
 
-Q8_0 = BlockFormat("q8_0", 0, 34, 8)
-Q4_1 = BlockFormat("q4_1", 1, 20, 3)
+Q8_0 = BlockFormat("q8_0", 0, 34, 8, GROUP, (2, 32))  # d, 32 int8
+Q4_1 = BlockFormat("q4_1", 1, 20, 3, GROUP, (2, 2, 16))  # d, m, 16 bytes of nibbles
+Q5_0 = BlockFormat("q5_0", 2, 22, 6, GROUP, (2, 4, 16))  # d, high bits (u32), nibbles
+Q4_K = BlockFormat("q4_k", 3, 144, 12, SUPER, (2, 2, 12, 128))  # d, dmin, 6-bit scales and mins, nibbles
+Q5_K = BlockFormat("q5_k", 4, 176, 13, SUPER, (2, 2, 12, 32, 128))  # ... bit planes, nibbles
+Q6_K = BlockFormat("q6_k", 5, 210, 14, SUPER, (2, 16, 64, 128))  # d, int8 scales per 16, 2 planes, nibbles
+FORMATS = (Q8_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K)
 _Q4_0_TYPE = 2
-BY_GGML_TYPE = {Q8_0.ggml_type: Q8_0, Q4_1.ggml_type: Q4_1, _Q4_0_TYPE: Q4_1}  # GGUF types served as blocks
+BY_GGML_TYPE = {**{f.ggml_type: f for f in FORMATS}, _Q4_0_TYPE: Q4_1}  # GGUF types served as blocks
 
 
 @dataclass(frozen=True)
 class BlockTensor:
-    """A checkpoint tensor [N, K] kept as its plain blocks [N, K / 32 * block bytes] (from a GGUF file)."""
+    """A checkpoint tensor [N, K] kept as its plain blocks [N, row bytes] (from a GGUF file)."""
 
     blocks: torch.Tensor
     fmt: BlockFormat
@@ -58,16 +72,167 @@ def _halves(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).contiguous().view(torch.uint8).view(*x.shape, 2)
 
 
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., 2] as float32 [...]."""
+    return b.contiguous().view(torch.float16).float().squeeze(-1)
+
+
+def _split(blocks: torch.Tensor, fmt: BlockFormat) -> list[torch.Tensor]:
+    """Plain blocks [N, row bytes] as their fields [N, blocks, field bytes]."""
+    b = blocks.reshape(blocks.shape[0], blocks.shape[1] // fmt.block_bytes, fmt.block_bytes)
+    return list(b.split(list(fmt.fields), -1))
+
+
+def _bits(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Little-endian bytes [..., n / 8] as bits [..., n] (0/1, uint8)."""
+    return ((x[..., :, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(*x.shape[:-1], n)
+
+
+def _pack_bits(b: torch.Tensor) -> torch.Tensor:
+    """Bits [..., n] (0/1) as little-endian bytes [..., n / 8]."""
+    b = b.to(torch.uint8).reshape(*b.shape[:-1], -1, 8)
+    return (b << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+
+
+def _nibble_pairs(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values [..., 256] (sub-blocks of 32) packed as the K formats store them: byte l of pair p holds
+    element l of sub-block 2p (low nibble) and of 2p + 1 (high)."""
+    q = q.reshape(*q.shape[:-1], 4, 2, 32)
+    return (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*q.shape[:-3], 128)
+
+
+def _unpair(qs: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_nibble_pairs`: [..., 128] bytes -> 4-bit values [..., 256]."""
+    qs = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return torch.cat([qs & 0xF, qs >> 4], -2).reshape(*qs.shape[:-3], 256)
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: the 8 6-bit scales and mins [..., 8] from their 12 bytes (GGUF's get_scale_min_k4)."""
+    q = packed.long()
+    sc = torch.cat([q[..., 0:4] & 63, (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)], -1)
+    m = torch.cat([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
+    return sc, m
+
+
+def _pack_k_scales(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_k_scales`: 6-bit scales and mins [..., 8] as 12 bytes."""
+    sc, m = sc.long(), m.long()
+    low = torch.cat([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6)], -1)
+    high = (sc[..., 4:] & 0xF) | ((m[..., 4:] & 0xF) << 4)
+    return torch.cat([low, high], -1).to(torch.uint8)
+
+
+def _k_ints(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                                 torch.Tensor | None]:
+    """K-format plain blocks as (integer weights times their sub-block scale [N, B, 256], d [N, B], and for
+    Q4_K/Q5_K dmin [N, B] and the integer mins [N, B, 8])."""
+    f = _split(blocks, fmt)
+    if fmt is Q6_K:
+        scale = f[1].contiguous().view(torch.int8).long().repeat_interleave(16, -1)
+        return _q6_values(blocks).long() * scale, _f16(f[0]), None, None
+    d, dmin, packed, *rest = f
+    q = _unpair(rest[-1]).long()
+    if fmt is Q5_K:
+        q = q + (_bits(rest[0], 256).long() << 4)
+    sc, m = _k_scales(packed)
+    return q * sc.repeat_interleave(32, -1), _f16(d), _f16(dmin), m
+
+
+def _weight_ints(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """32-weight plain blocks as their integers [N, G, 32], scales [N, G] and (Q4_1) minimums [N, G]."""
+    f = _split(blocks, fmt)
+    d = _f16(f[0])
+    if fmt is Q8_0:
+        return f[1].contiguous().view(torch.int8).float(), d, None
+    qs = f[-1]
+    q = torch.cat([qs & 0xF, qs >> 4], -1).float()
+    if fmt is Q5_0:
+        return q + _bits(f[1], 32).float() * 16 - 16, d, None
+    return q, d, _f16(f[1])
+
+
+def dequantize(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """float32 [N, K] from plain blocks [N, row bytes], as the kernel's row lookup computes each weight."""
+    n = blocks.shape[0]
+    if fmt.super_block:
+        f = _split(blocks, fmt)
+        if fmt is Q6_K:  # (d sc) (q - 32), the kernel's order of rounding
+            d, sc = _f16(f[0]), f[1].contiguous().view(torch.int8).float()
+            return ((d[..., None] * sc).repeat_interleave(16, -1) * _q6_values(blocks)).reshape(n, -1)
+        sc, m = _k_scales(f[2])
+        q = _unpair(f[-1]).float()
+        if fmt is Q5_K:
+            q = q + _bits(f[3], 256).float() * 16
+        d1 = (_f16(f[0])[..., None] * sc.float()).repeat_interleave(32, -1)
+        m1 = (_f16(f[1])[..., None] * m.float()).repeat_interleave(32, -1)
+        return torch.addcmul(-m1, d1, q).reshape(n, -1)  # one rounding, as the kernel's fmaf
+    q, d, m = _weight_ints(blocks, fmt)
+    w = q * d[..., None] if m is None else torch.addcmul(m[..., None], q, d[..., None])  # one rounding, as an FMA
+    return w.reshape(n, -1)
+
+
+def _q6_values(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K plain blocks as q - 32 [N, B, 256] (float)."""
+    _, _, planes, qs = _split(blocks, Q6_K)
+    q = _unpair(qs).long()
+    bits = _bits(planes, 512).reshape(*planes.shape[:-1], 8, 2, 32).long()
+    q = q + (bits[..., 0, :] << 4).reshape(q.shape) + (bits[..., 1, :] << 5).reshape(q.shape)
+    return (q - 32).float()
+
+
+def from_gguf(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """A GGUF tensor's blocks [N, row bytes] in the plain layout of the format BY_GGML_TYPE names: Q4_0 becomes
+    Q4_1; Q5_K's high bits become bit planes; Q6_K's fields are reordered, its high bits planes and its low
+    nibbles paired as Q4_K's. Other formats are kept as they are."""
+    n = raw.shape[0]
+    if ggml_type == _Q4_0_TYPE:
+        b = raw.reshape(n, -1, 18)
+        d = b[..., 0:2].contiguous().view(torch.float16)
+        m = -8 * d.float()
+        if not torch.isfinite(m.to(torch.float16)).all():
+            raise ValueError("Q4_0 block scale too large to convert to Q4_1")
+        parts = [b[..., 0:2], _halves(m.squeeze(-1)).view(*m.shape[:-1], 2), b[..., 2:]]
+        return torch.cat(parts, -1).reshape(n, -1).contiguous()
+    if ggml_type == Q5_K.ggml_type:  # d, dmin, scales, qh[32] (bit s of byte l: sub-block s, element l), qs
+        b = raw.reshape(n, -1, 176)
+        planes = _pack_bits(_bits(b[..., 16:48], 256).reshape(n, -1, 32, 8).transpose(-1, -2)).reshape(n, -1, 32)
+        return torch.cat([b[..., :16], planes, b[..., 48:]], -1).reshape(n, -1).contiguous()
+    if ggml_type == Q6_K.ggml_type:  # ql[128], qh[64], scales[16], d
+        b = raw.reshape(n, -1, 210)
+        ql, qh, sc, d = b[..., :128].long(), b[..., 128:192].long(), b[..., 192:208], b[..., 208:]
+        halves = []
+        for h in range(2):  # each 128 weights: ql[64h:64h + 64], qh[32h:32h + 32]
+            lo, hi = ql[..., 64 * h : 64 * h + 64], qh[..., 32 * h : 32 * h + 32]
+            for j in range(4):  # element l + 32 j takes ql's low (j even) or high nibble and qh's bits 2j, 2j + 1
+                nib = lo[..., 32 * (j % 2) : 32 * (j % 2) + 32]
+                nib = nib & 0xF if j < 2 else nib >> 4
+                halves.append(nib | (((hi >> (2 * j)) & 3) << 4))
+        q = torch.stack(halves, -2)  # [N, B, 8, 32]: sub-block s, element l
+        planes = torch.stack([(q >> 4) & 1, (q >> 5) & 1], -2)  # [N, B, 8, 2, 32]
+        parts = [d, sc, _pack_bits(planes).reshape(n, -1, 64), _nibble_pairs((q & 0xF).reshape(n, -1, 256).to(torch.uint8))]
+        return torch.cat(parts, -1).reshape(n, -1).contiguous()
+    return raw
+
+
 def quantize(w: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """Blocks of a float weight [N, K] (K a multiple of 32)."""
+    """Blocks of a float weight [N, K] (K a multiple of the block size), rounding to nearest (not llama.cpp's
+    error-minimising search: this is for checkpoints that hold no blocks, and tests)."""
     n, k = w.shape
-    if k % GROUP:
-        raise ValueError(f"{fmt.name} needs in_features divisible by {GROUP}, got {k}")
+    if k % fmt.block_size:
+        raise ValueError(f"{fmt.name} needs in_features divisible by {fmt.block_size}, got {k}")
+    if fmt.super_block:
+        return _quantize_k(w.float().reshape(n, k // SUPER, SUPER), fmt).reshape(n, -1).contiguous()
     g = w.float().reshape(n, k // GROUP, GROUP)
     if fmt is Q8_0:
         d = (g.abs().amax(-1) / 127).to(torch.float16).float()
         q = torch.where(d[..., None] > 0, g / d.clamp_min(1e-30)[..., None], 0).round().clamp(-127, 127)
         parts = [_halves(d), q.to(torch.int8).view(torch.uint8)]
+    elif fmt is Q5_0:
+        d = (g.abs().amax(-1) / 15).to(torch.float16).float()
+        q = (torch.where(d[..., None] > 0, g / d.clamp_min(1e-30)[..., None], 0).round().clamp(-16, 15) + 16)
+        q = q.to(torch.uint8)
+        parts = [_halves(d), _pack_bits(q >> 4), (q[..., :16] & 0xF) | ((q[..., 16:] & 0xF) << 4)]
     else:
         lo, hi = g.amin(-1), g.amax(-1)
         m = lo.to(torch.float16).float()
@@ -78,54 +243,47 @@ def quantize(w: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     return torch.cat(parts, -1).reshape(n, -1).contiguous()
 
 
-def _weight_ints(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Plain blocks as their integers [N, G, 32], scales [N, G] and (Q4_1) minimums [N, G]."""
-    b = blocks.reshape(blocks.shape[0], blocks.shape[1] // fmt.block_bytes, fmt.block_bytes)
-    d = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
-    if fmt is Q8_0:
-        return b[..., 2:].contiguous().view(torch.int8).float(), d, None
-    qs = b[..., 4:]
-    m = b[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
-    return torch.cat([qs & 0xF, qs >> 4], -1).float(), d, m
-
-
-def dequantize(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """float32 [N, K] from plain blocks [N, K / 32 * block bytes], as the kernel computes each weight."""
-    q, d, m = _weight_ints(blocks, fmt)
-    w = q * d[..., None] if m is None else torch.addcmul(m[..., None], q, d[..., None])  # one rounding, as an FMA
-    return w.reshape(blocks.shape[0], -1)
-
-
-def from_gguf(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """A GGUF tensor's blocks [N, row bytes] in the format BY_GGML_TYPE names (Q4_0 becomes Q4_1)."""
-    if ggml_type != _Q4_0_TYPE:
-        return raw
-    b = raw.reshape(raw.shape[0], -1, 18)
-    d = b[..., 0:2].contiguous().view(torch.float16)
-    m = -8 * d.float()
-    if not torch.isfinite(m.to(torch.float16)).all():
-        raise ValueError("Q4_0 block scale too large to convert to Q4_1")
-    parts = [b[..., 0:2], _halves(m.squeeze(-1)).view(*m.shape[:-1], 2), b[..., 2:]]
-    return torch.cat(parts, -1).reshape(raw.shape[0], -1).contiguous()
+def _quantize_k(g: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """K-format blocks [N, B, block bytes] of float super-blocks g [N, B, 256]."""
+    if fmt is Q6_K:
+        s = g.reshape(*g.shape[:-1], 16, 16)
+        scale = s.abs().amax(-1) / 31  # per 16 weights
+        d = (scale.amax(-1) / 127).to(torch.float16).float()
+        sc = torch.where(d[..., None] > 0, scale / d.clamp_min(1e-30)[..., None], 0).round().clamp(-128, 127)
+        step = (d[..., None] * sc)[..., None]
+        q = torch.where(step > 0, s / step.clamp_min(1e-30), 0).round().clamp(-32, 31) + 32
+        q = q.reshape(g.shape).to(torch.uint8).reshape(*g.shape[:-1], 8, 32)
+        planes = _pack_bits(torch.stack([(q >> 4) & 1, (q >> 5) & 1], -2)).reshape(*g.shape[:-1], 64)
+        return torch.cat([_halves(d), sc.to(torch.int8).view(torch.uint8), planes,
+                          _nibble_pairs((q & 0xF).reshape(g.shape))], -1)
+    levels = 31 if fmt is Q5_K else 15
+    s = g.reshape(*g.shape[:-1], 8, 32)
+    lo = s.amin(-1).clamp(max=0)  # the block minimum, never above 0 (llama.cpp's rule)
+    scale, mins = (s.amax(-1) - lo) / levels, -lo
+    d, dmin = (scale.amax(-1) / 63).to(torch.float16).float(), (mins.amax(-1) / 63).to(torch.float16).float()
+    sc = torch.where(d[..., None] > 0, scale / d.clamp_min(1e-30)[..., None], 0).round().clamp(0, 63)
+    m = torch.where(dmin[..., None] > 0, mins / dmin.clamp_min(1e-30)[..., None], 0).round().clamp(0, 63)
+    step, offset = (d[..., None] * sc)[..., None], (dmin[..., None] * m)[..., None]
+    q = torch.where(step > 0, (s + offset) / step.clamp_min(1e-30), 0).round().clamp(0, levels).to(torch.uint8)
+    q = q.reshape(g.shape)
+    parts = [_halves(d), _halves(dmin), _pack_k_scales(sc, m)]
+    if fmt is Q5_K:
+        parts.append(_pack_bits((q >> 4).reshape(*g.shape[:-1], 8, 32)).reshape(*g.shape[:-1], 32))
+    return torch.cat([*parts, _nibble_pairs(q & 0xF)], -1)
 
 
 TILE = 4  # rows per kernel tile (TILE_N of kernels/quant_linear.c)
 
 
-def _fields(fmt: BlockFormat) -> list[int]:
-    """A block's fields, in bytes: scale and integers (Q8_0); scale, minimum and integers (Q4_1)."""
-    return [2, 32] if fmt is Q8_0 else [2, 2, 16]
-
-
 def interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """The kernel's layout of plain blocks [N, row bytes]. Within each whole tile of 4 rows, block g of
     every row, then block g + 1 (one sequential stream per tile), each tile block field by field: the
-    4 rows' scales, (Q4_1) their 4 minimums, then their integers, so one load reads all 4 scales.
+    4 rows' scales, then their next field, ..., then their integers, so one load reads all 4 scales.
     Rows past the last whole tile stay plain."""
     n4, g = blocks.shape[0] // TILE * TILE, blocks.shape[1] // fmt.block_bytes
     tiles = blocks[:n4].reshape(n4 // TILE, TILE, g, fmt.block_bytes).transpose(1, 2)  # [T, G, 4, bytes]
-    parts = tiles.split(_fields(fmt), -1)
-    grouped = torch.cat([p.reshape(n4 // TILE, g, TILE * f) for p, f in zip(parts, _fields(fmt))], -1)
+    parts = tiles.split(list(fmt.fields), -1)
+    grouped = torch.cat([p.reshape(n4 // TILE, g, TILE * f) for p, f in zip(parts, list(fmt.fields))], -1)
     grouped = grouped.reshape(n4, blocks.shape[1])
     return torch.cat([grouped, blocks[n4:]]).contiguous()
 
@@ -134,8 +292,8 @@ def _tile_blocks(tiled: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """The whole tiles of the kernel's layout as plain blocks [T, G, 4, block bytes]."""
     n4, g = tiled.shape[0] // TILE * TILE, tiled.shape[1] // fmt.block_bytes
     grouped = tiled[:n4].view(n4 // TILE, g, TILE * fmt.block_bytes)
-    parts = grouped.split([TILE * f for f in _fields(fmt)], -1)
-    return torch.cat([p.reshape(p.shape[0], g, TILE, f) for p, f in zip(parts, _fields(fmt))], -1)
+    parts = grouped.split([TILE * f for f in list(fmt.fields)], -1)
+    return torch.cat([p.reshape(p.shape[0], g, TILE, f) for p, f in zip(parts, list(fmt.fields))], -1)
 
 
 def deinterleave(tiled: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
@@ -160,26 +318,42 @@ def tiled_rows(tiled: torch.Tensor, fmt: BlockFormat, ids: torch.Tensor) -> torc
 def _row_bytes_in_tile(fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """For each byte of a plain block, its offset in a tile block for the tile's row 0, and the step per row."""
     base, size, start = [], [], 0
-    for f in _fields(fmt):
+    for f in list(fmt.fields):
         base += [TILE * start + i for i in range(f)]
         size += [f] * f
         start += f
     return torch.tensor(base), torch.tensor(size)
 
 
-def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of x [M, K] as the kernel quantizes them: int16 values [M, G, 32] (as float), scales and
-    float sums [M, G] (per block of 32: absmax / 32767, round to nearest even)."""
-    g = x.float().reshape(x.shape[0], x.shape[1] // GROUP, GROUP)
+def quantize_input(x: torch.Tensor, block: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of x [M, K] as the kernel quantizes them: int16 values [M, G, block] (as float), scales [M, G]
+    (per block: absmax / 32767, round to nearest even) and float sums of x per 32 [M, K / 32]."""
+    g = x.float().reshape(x.shape[0], x.shape[1] // block, block)
     amax = g.abs().amax(-1)
     inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
-    return torch.round(g * inv[..., None]), amax / 32767, g.sum(-1)
+    return torch.round(g * inv[..., None]), amax / 32767, x.float().reshape(x.shape[0], -1, GROUP).sum(-1)
+
+
+def _k_linear_ref(x: torch.Tensor, plain: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """quant_linear_ref of a K format (float64): per block the exact integer dot of x's int16 values with the
+    scaled integer weights times d dx, less (Q4_K/Q5_K) dmin dx sum_s m_s (sum of x's integers over s)."""
+    qw, dw, dmin, mins = _k_ints(plain, fmt)
+    qx, dx, _ = quantize_input(x, SUPER)
+    dots = torch.einsum("mbi,nbi->mnb", qx.double(), qw.double())
+    y = dots * (dw.double()[None] * dx.double()[:, None])
+    if dmin is not None:
+        xs = qx.double().reshape(*qx.shape[:2], 8, 32).sum(-1)  # [M, B, 8]
+        y = y - torch.einsum("mbs,nbs->mnb", xs, mins.double()) * (dmin.double()[None] * dx.double()[:, None])
+    return y.sum(-1)
 
 
 def quant_linear_ref(x: torch.Tensor, tiled: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None = None
                      ) -> torch.Tensor:
     """The kernel's arithmetic, exactly (float64; blocks in the kernel's layout): x quantized per block,
     integer dot products per block, then d_w * d_x (and Q4_1's min_w * sum(x)) per block."""
+    if fmt.super_block:
+        y = _k_linear_ref(x, deinterleave(tiled, fmt), fmt)
+        return (y if bias is None else y + bias.double()).float()
     qw, dw, mw = _weight_ints(deinterleave(tiled, fmt), fmt)
     qx, dx, sx = quantize_input(x)
     dots = torch.einsum("mgi,ngi->mng", qx.double(), qw.double())
@@ -202,12 +376,12 @@ def quant_linear(x: torch.Tensor, tiled: torch.Tensor, fmt: BlockFormat, bias: t
 class QuantMatmul:
     """`quant_linear` for one weight (and bias), checked once here, so a call checks only x: a decode
     step makes a hundred or more of these calls, each a few microseconds of Python. `normed`,
-    `add_normed` and `silu_mul` fuse the step before the matmul into the kernel's input quantization
+    `add_normed` and `act_mul` fuse the step before the matmul into the kernel's input quantization
     (one call instead of two; the same result as the two)."""
 
     def __init__(self, tiled: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None = None):
         self.tiled, self.fmt, self.bias = tiled, fmt, bias
-        self.n, self.k = tiled.shape[0], tiled.shape[1] // fmt.block_bytes * GROUP
+        self.n, self.k = tiled.shape[0], tiled.shape[1] // fmt.block_bytes * fmt.block_size
         lib = _library()
         fits = tiled.is_contiguous() and (bias is None or (bias.dtype is torch.float32 and bias.is_contiguous()))
         self._fn = lib.quant_linear if lib is not None and fits else None
@@ -237,11 +411,11 @@ class QuantMatmul:
             return x, self(h)
         return x, self._run(x, ADD_RMS_NORM, w.data_ptr(), eps, residual.data_ptr())
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) for gate_up [M, 2K] = gate | up."""
+    def act_mul(self, gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+        """self(act(gate) * up) for gate_up [M, 2K] = gate | up (act: silu or gelu_tanh)."""
         if not self._fits(gate_up, 2 * self.k):
-            return self(cpu_fused.silu_mul(gate_up))
-        return self._run(gate_up, SILU_MUL, None, 0.0)
+            return self(cpu_fused.act_mul(gate_up, act))
+        return self._run(gate_up, SILU_MUL if act == "silu" else GELU_MUL, None, 0.0)
 
     def _fits(self, x: torch.Tensor, cols: int) -> bool:
         return (self._fn is not None and x.dtype is torch.float32 and x.is_cpu and x.dim() == 2
@@ -269,7 +443,7 @@ def quant_rows(tiled: torch.Tensor, fmt: BlockFormat, ids: torch.Tensor) -> torc
     lib = _library()
     if lib is None or not tiled.is_contiguous():
         return dequantize(tiled_rows(tiled, fmt, ids), fmt)
-    k = tiled.shape[1] // fmt.block_bytes * GROUP
+    k = tiled.shape[1] // fmt.block_bytes * fmt.block_size
     out = torch.empty(ids.numel(), k, dtype=torch.float32)
     lib.quant_rows(tiled.data_ptr(), ids.data_ptr(), ids.numel(), tiled.shape[0], k, fmt.code, out.data_ptr())
     return out

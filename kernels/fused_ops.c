@@ -43,6 +43,12 @@ void silu_mul(const float *gu, float *out, int64_t rows, int64_t n, int threads)
   for (int64_t r = 0; r < rows; ++r) silu_mul_row(gu + r * 2 * n, gu + r * 2 * n + n, out + r * n, n);
 }
 
+// gu [rows, 2 n] holds gate | up; out [rows, n] = gelu_tanh(gate) * up
+void gelu_mul(const float *gu, float *out, int64_t rows, int64_t n, int threads) {
+#pragma omp parallel for num_threads(pick_threads(rows * n, threads))
+  for (int64_t r = 0; r < rows; ++r) gelu_tanh_mul_row(gu + r * 2 * n, gu + r * 2 * n + n, out + r * n, n);
+}
+
 // x rotated by rotate-half RoPE: out[i] = x[i] cos[i] - x[i + D/2] sin[i], out[i + D/2] = x[i + D/2] cos[i + D/2]
 // + x[i] sin[i + D/2] (HF's layout)
 static inline void rope_row(const float *x, const float *c, const float *s, float *out, int64_t d) {

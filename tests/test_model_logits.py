@@ -38,8 +38,8 @@ def test_default_model_matches_transformers(runner, hf_model):
 
 
 def _tiny_configs():
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -61,6 +61,27 @@ def _tiny_configs():
                                     head_dim=32, norm_topk_prob=True),
         # q/k norms over all heads; q, k and v clipped
         "olmoe": OlmoeConfig(**common, num_experts=8, num_experts_per_tok=2, clip_qkv=0.8),
+        # every layer slides over the last 12 keys
+        "mistral-sliding-window": MistralConfig(**common, sliding_window=12),
+        # GeGLU, norms around both sublayers, embedding scale, soft-capped scores and logits; layer 0 slides
+        "gemma2": Gemma2Config(**common, head_dim=32, sliding_window=12, query_pre_attn_scalar=24,
+                               attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+        # q/k norms, five sliding layers with their own rotary base then a global one (here 3 + 1), linear
+        # rope scaling on the global layer
+        "gemma3": Gemma3TextConfig(**{**common, "num_hidden_layers": 4}, head_dim=32, sliding_window=12,
+                                   layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                                       "factor": 4.0},
+                                                    "sliding_attention": {"rope_type": "default",
+                                                                          "rope_theta": 1e4}}),
+        # fused qkv_proj and gate_up_proj in the checkpoint; LongRoPE's short factors (the prompt is shorter than
+        # its original context)
+        "phi3-longrope": Phi3Config(**{**common, "max_position_embeddings": 512}, pad_token_id=0, eos_token_id=1,
+                                    bos_token_id=1, rope_parameters={
+                                        "rope_type": "longrope", "rope_theta": 1e4, "factor": 8.0,
+                                        "original_max_position_embeddings": 64,
+                                        "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                                        "long_factor": [2.0 + 0.1 * i for i in range(8)]}),
     }
 
 
@@ -81,7 +102,8 @@ def test_tiny_architectures_match_transformers(name, tmp_path):
                       skip_tokenizer_init=True).resolved()
     runner = ModelRunner(args, progress=False)
     sparse = [layer.sparse is not None for layer in runner.model.layers]
-    assert sparse == ([True, False] if name == "qwen2-moe" else [hasattr(config, "num_experts_per_tok")] * 2), sparse
+    expected = [True, False] if name == "qwen2-moe" else [hasattr(config, "num_experts_per_tok")] * config.num_hidden_layers
+    assert sparse == expected, sparse
     ids = torch.randint(0, config.vocab_size, (40,)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]

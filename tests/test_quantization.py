@@ -1,5 +1,7 @@
-"""Block-quantized weights: the kernel against its reference on this ISA level, the block layouts,
-GGUF blocks loaded as stored, and the quantized model against float32 on the default model."""
+"""Block-quantized weights: the kernel against its reference on this ISA level for every block format
+(Q8_0, Q4_1, Q5_0 and the super-block formats Q4_K, Q5_K, Q6_K), the block layouts, GGUF blocks loaded as
+stored (against the gguf package's own dequantization), and the quantized model against float32 on the
+default model."""
 
 import gguf
 import numpy as np
@@ -7,13 +9,31 @@ import pytest
 import torch
 
 from plait.kernels import cpu_isa
-from plait.kernels.cpu_fused import add_rms_norm, rms_norm, silu_mul
-from plait.kernels.cpu_quant import (BY_GGML_TYPE, Q4_1, Q8_0, QuantMatmul, _library, deinterleave, dequantize,
-                                     from_gguf, interleave, quant_linear, quant_linear_ref, quant_rows, quantize,
-                                     tiled_rows)
+from plait.kernels.cpu_fused import add_rms_norm, gelu_mul, rms_norm, silu_mul
+from plait.kernels.cpu_quant import (BY_GGML_TYPE, FORMATS, Q4_1, Q5_0, Q8_0, QuantMatmul, _library, deinterleave,
+                                     dequantize, from_gguf, interleave, quant_linear, quant_linear_ref, quant_rows,
+                                     quantize, tiled_rows)
 
 C_KERNELS = cpu_isa.selected() != "ref"
-FORMATS = [Q8_0, Q4_1]
+Q = gguf.GGMLQuantizationType
+
+
+def _cols(k: int, fmt) -> int:
+    """k rounded up to whole blocks of the format (256 for the super-block formats)."""
+    return -(-k // fmt.block_size) * fmt.block_size
+
+
+def random_gguf_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Valid GGUF blocks of any layout: random bytes, with every float16 scale field set to a small positive value
+    (the gguf package quantizes no K format, so the K-format tests start from blocks)."""
+    rng = np.random.default_rng(seed)
+    size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // size, nbytes), dtype=np.uint8)
+    scales = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q5_0: [0], Q.Q4_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+    for off in scales[qtype]:
+        d = rng.uniform(0.001, 0.02, size=(rows, cols // size)).astype(np.float16)
+        raw[..., off : off + 2] = d.view(np.uint8).reshape(rows, cols // size, 2)
+    return raw.reshape(rows, -1)
 
 
 def test_kernel_builds_on_this_level():
@@ -25,6 +45,7 @@ def test_kernel_builds_on_this_level():
                                           (33, 4, 32), (2, 49152, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_quant_linear_matches_reference(fmt, rows, out, inp, bias):
+    inp = _cols(inp, fmt)
     torch.manual_seed(rows * out + inp)
     x, w = torch.randn(rows, inp), torch.randn(out, inp)
     b = torch.randn(out) if bias else None
@@ -43,7 +64,8 @@ def test_quant_linear_is_batch_invariant(fmt):
     if not C_KERNELS:
         pytest.skip("PLAIT_CPU_ISA=ref: the torch reference makes no invariance promise")
     torch.manual_seed(2)
-    x, w, b = torch.randn(40, 96), torch.randn(67, 96), torch.randn(67)
+    k = _cols(96, fmt)
+    x, w, b = torch.randn(40, k), torch.randn(67, k), torch.randn(67)
     tiled = interleave(quantize(w, fmt), fmt)
     alone = torch.cat([quant_linear(x[i : i + 1], tiled, fmt, b) for i in range(x.shape[0])])
     threads = torch.get_num_threads()
@@ -61,28 +83,30 @@ def test_quant_linear_is_batch_invariant(fmt):
 def test_fused_prologues_equal_the_two_steps(fmt, rows):
     """The norm and the activation fused into the matmul's input give exactly the unfused result."""
     torch.manual_seed(rows)
-    w, b, norm_w = torch.randn(68, 96), torch.randn(68), torch.rand(96) + 0.5
+    k = _cols(96, fmt)
+    w, b, norm_w = torch.randn(68, k), torch.randn(68), torch.rand(k) + 0.5
     mm = QuantMatmul(interleave(quantize(w, fmt), fmt), fmt, b)
-    x, gate_up = torch.randn(rows, 96) * 3, torch.randn(rows, 192) * 3
+    x, gate_up = torch.randn(rows, k) * 3, torch.randn(rows, 2 * k) * 3
     assert torch.equal(mm(x), quant_linear(x, mm.tiled, fmt, b))
     assert torch.equal(mm.normed(x, norm_w, 1e-5), quant_linear(rms_norm(x, norm_w, 1e-5), mm.tiled, fmt, b))
-    assert torch.equal(mm.silu_mul(gate_up), quant_linear(silu_mul(gate_up), mm.tiled, fmt, b))
-    residual, delta = torch.randn(rows, 96), torch.randn(rows, 96)
+    assert torch.equal(mm.act_mul(gate_up), quant_linear(silu_mul(gate_up), mm.tiled, fmt, b))
+    assert torch.equal(mm.act_mul(gate_up, "gelu_tanh"), quant_linear(gelu_mul(gate_up), mm.tiled, fmt, b))
+    residual, delta = torch.randn(rows, k), torch.randn(rows, k)
     mine, theirs = residual.clone(), residual.clone()
     summed, y = mm.add_normed(mine, delta, norm_w, 1e-5)
     theirs, h = add_rms_norm(theirs, delta, norm_w, 1e-5)
     assert torch.equal(summed, theirs) and torch.equal(y, quant_linear(h, mm.tiled, fmt, b))
     # a strided input takes the checked path, with the same result
-    wide = torch.randn(rows, 200)
-    assert torch.equal(mm(wide[:, :96]), quant_linear(wide[:, :96].contiguous(), mm.tiled, fmt, b))
+    wide = torch.randn(rows, k + 104)
+    assert torch.equal(mm(wide[:, :k]), quant_linear(wide[:, :k].contiguous(), mm.tiled, fmt, b))
     with pytest.raises(ValueError, match="features"):
-        mm(torch.randn(rows, 64))
+        mm(torch.randn(rows, k - 32))
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_row_lookup_is_the_dequantized_rows(fmt):
     torch.manual_seed(4)
-    blocks = quantize(torch.randn(10, 64), fmt)
+    blocks = quantize(torch.randn(10, _cols(64, fmt)), fmt)
     ids = torch.tensor([9, 0, 4, 9, 7])
     assert torch.equal(quant_rows(interleave(blocks, fmt), fmt, ids), dequantize(blocks[ids], fmt))
     with pytest.raises(IndexError, match="row ids"):
@@ -92,33 +116,42 @@ def test_row_lookup_is_the_dequantized_rows(fmt):
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_blocks_round_trip_and_bound_the_error(fmt):
     torch.manual_seed(3)
-    w = torch.randn(37, 128)
+    k = _cols(128, fmt)
+    w = torch.randn(37, k)
     blocks = quantize(w, fmt)
-    assert blocks.shape == (37, fmt.row_bytes(128)) and blocks.dtype == torch.uint8
+    assert blocks.shape == (37, fmt.row_bytes(k)) and blocks.dtype == torch.uint8
     dq = dequantize(blocks, fmt)
-    # quantizing a dequantized weight gives the same blocks: a load is lossless for stored blocks
-    assert torch.equal(quantize(dq, fmt), blocks)
-    g = w.reshape(37, 4, 32)
-    step = (g.abs().amax(-1) / 127) if fmt is Q8_0 else (g.amax(-1) - g.amin(-1)) / 15
-    err = (dq - w).abs().reshape(37, 4, 32).amax(-1)
-    assert bool((err <= step * 0.51 + 1e-3).all())
+    if fmt.super_block:  # rounding to nearest with 6- and 8-bit sub-block scales
+        bits = {"q4_k": 4, "q5_k": 5, "q6_k": 6}[fmt.name]
+        assert ((dq - w).norm() / w.norm()).item() < 2.0 ** (1 - bits)
+    else:
+        # quantizing a dequantized weight gives the same blocks: a load is lossless for stored blocks
+        assert torch.equal(quantize(dq, fmt), blocks)
+        g = w.reshape(37, k // 32, 32)
+        step = {"q8_0": g.abs().amax(-1) / 127, "q4_1": (g.amax(-1) - g.amin(-1)) / 15,
+                "q5_0": g.abs().amax(-1) / 15}[fmt.name]
+        err = (dq - w).abs().reshape(37, k // 32, 32).amax(-1)
+        assert bool((err <= step * 0.51 + 1e-3).all())
     assert torch.equal(deinterleave(interleave(blocks, fmt), fmt), blocks)
     ids = torch.tensor([0, 5, 36, 3, 35])
     assert torch.equal(tiled_rows(interleave(blocks, fmt), fmt, ids), blocks[ids])
 
 
-@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0,
-                                   gguf.GGMLQuantizationType.Q4_1])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
 def test_gguf_blocks_load_exactly(qtype):
-    """GGUF's own blocks (quantized by the gguf package) dequantize to what gguf dequantizes them to;
-    Q4_0 becomes Q4_1 without loss."""
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((8, 64)).astype(np.float32)
-    raw = gguf.quants.quantize(w, qtype)
-    expected = gguf.quants.dequantize(raw, qtype)
+    """GGUF's own blocks dequantize to exactly what the gguf package dequantizes them to, through plait's
+    repacking (Q4_0 becomes Q4_1, Q5_K's and Q6_K's high bits become planes) and the kernel's layout; the
+    kernel multiplies by them to ~1e-5 of the float product."""
+    raw = random_gguf_blocks(qtype, 8, 512)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(8, 512))
     fmt = BY_GGML_TYPE[int(qtype)]
-    blocks = from_gguf(torch.from_numpy(raw.copy()).view(8, -1), int(qtype))
-    torch.testing.assert_close(dequantize(blocks, fmt), torch.from_numpy(expected), atol=1e-6, rtol=1e-6)
+    blocks = from_gguf(torch.from_numpy(raw.copy()), int(qtype))
+    assert torch.equal(dequantize(blocks, fmt), expected)
+    tiled = interleave(blocks, fmt)
+    assert torch.equal(quant_rows(tiled, fmt, torch.tensor([7, 0, 3])), expected[[7, 0, 3]])
+    x = torch.randn(3, 512)
+    exact = x @ expected.T
+    assert ((quant_linear(x, tiled, fmt) - exact).norm() / exact.norm()).item() < 1e-4
 
 
 @pytest.fixture(scope="module")

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.kernels import cpu_isa
-from plait.kernels.cpu_fused import add_rms_norm, rms_norm, silu_mul
+from plait.kernels.cpu_fused import act_mul, add_rms_norm, rms_norm
 from plait.kernels.cpu_linear import MAX_ROWS, block_bf16, skinny_linear
-from plait.kernels.cpu_quant import GROUP, BlockTensor
+from plait.kernels.cpu_quant import BlockTensor
 from plait.runtime.distributed.group import SINGLE, Group, partition
 
 
@@ -134,9 +134,10 @@ class LinearMethod:
         x, h = add_rms_norm(x, residual, norm_w, eps)
         return x, self.apply(layer, h, batch_invariant)
 
-    def apply_silu_mul(self, layer: "Linear", gate_up: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
-        """apply(silu(gate) * up) for gate_up = gate | up; a method may fuse the activation into its matmul."""
-        return self.apply(layer, silu_mul(gate_up), batch_invariant)
+    def apply_act_mul(self, layer: "Linear", gate_up: torch.Tensor, act: str, batch_invariant: bool) -> torch.Tensor:
+        """apply(act(gate) * up) for gate_up = gate | up (act: silu, gelu_tanh); a method may fuse the activation
+        into its matmul."""
+        return self.apply(layer, act_mul(gate_up, act), batch_invariant)
 
     def rows(self, layer: "Linear", ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight as float32 (an embedding lookup)."""
@@ -176,10 +177,10 @@ def narrow(tensor: torch.Tensor | BlockTensor, dim: int, keep: range) -> torch.T
     rows, cols = tensor.shape
     if dim == 0:
         return BlockTensor(tensor.blocks[keep.start : keep.stop], tensor.fmt, (len(keep), cols))
-    if keep.start % GROUP or len(keep) % GROUP:
+    size, bb = tensor.fmt.block_size, tensor.fmt.block_bytes
+    if keep.start % size or len(keep) % size:
         return narrow(tensor.dequantize(), dim, keep)
-    bb = tensor.fmt.block_bytes
-    return BlockTensor(tensor.blocks[:, keep.start // GROUP * bb : keep.stop // GROUP * bb], tensor.fmt,
+    return BlockTensor(tensor.blocks[:, keep.start // size * bb : keep.stop // size * bb], tensor.fmt,
                        (rows, len(keep)))
 
 
@@ -264,9 +265,9 @@ class Linear(nn.Module):
         """(x + residual, self(rms_norm(x + residual, norm_w, eps))): the residual stream and the next input."""
         return self.method.apply_add_normed(self, x, residual, norm_w, eps, batch_invariant)
 
-    def forward_silu_mul(self, gate_up: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        """self(silu(gate) * up), gate_up = gate | up."""
-        return self._reduce(self.method.apply_silu_mul(self, gate_up, batch_invariant))
+    def forward_act_mul(self, gate_up: torch.Tensor, batch_invariant: bool = False, act: str = "silu") -> torch.Tensor:
+        """self(act(gate) * up), gate_up = gate | up."""
+        return self._reduce(self.method.apply_act_mul(self, gate_up, act, batch_invariant))
 
 
 class QKVLinear(Linear):

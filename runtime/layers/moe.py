@@ -135,7 +135,7 @@ class SparseMLP(nn.Module):
         out = self.moe(h)
         if self.shared_gate_up is None:
             return self.group.all_reduce(out) if self.moe.partial else out
-        shared = self.shared_down.forward_silu_mul(self.shared_gate_up(h, batch_invariant), batch_invariant)
+        shared = self.shared_down.forward_act_mul(self.shared_gate_up(h, batch_invariant), batch_invariant)
         shared = torch.sigmoid(self.shared_gate(h, batch_invariant)) * shared
         if self.moe.partial:
             return self.group.all_reduce(out + shared)

@@ -4,8 +4,9 @@
   int8  every matmul weight as Q8_0 blocks (32 int8 values and one scale)
   int4  transformer layers as Q4_1 blocks (32 4-bit values, a scale and a minimum); the embedding
         and LM head as Q8_0, since the logits are the most sensitive to weight error (llama.cpp's rule)
-  auto  a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks as stored, per layer (its precision, with no
-        float round trip); other tensors, and float checkpoints, as `none`
+  auto  a GGUF file's own blocks as stored, per tensor (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K: its
+        precision, with no float round trip; a layer whose shards differ keeps each in its own); other
+        tensors, and float checkpoints, as `none`
 
 Blocks are llama.cpp's layouts (kernels/cpu_quant.py), so GGUF blocks load straight into the
 kernel's layout; float tensors are quantized when they load; blocks of another format are
@@ -22,12 +23,53 @@ from dataclasses import dataclass, field
 import torch
 
 from plait.kernels.cpu_linear import MAX_ROWS
-from plait.kernels.cpu_quant import (GROUP, Q4_1, Q8_0, BlockFormat, BlockTensor, dequantize, interleave,
+from plait.kernels.cpu_quant import (Q4_1, Q8_0, BlockFormat, BlockTensor, dequantize, interleave,
                                      QuantMatmul, quant_rows, quantize)
 from plait.runtime.layers.linear import Linear, LinearMethod, UnquantizedMethod, empty_param, onednn_copy, \
     onednn_linear, packed_dtype
 
 QUANTIZATIONS = ("none", "auto", "int8", "int4")
+
+
+class MixedMethod(LinearMethod):
+    """A layer whose shards are stored in different formats (a Q4_K_M file's Q4_K q and k beside a Q6_K v): one
+    sub-layer per run of shards that share a method, each kept at its own precision, their outputs side by
+    side. The norm or activation before the matmul is then computed once for all of them."""
+
+    def __init__(self, methods: list[LinearMethod]):
+        self.methods = methods  # one per shard, in the layer's shard order
+        self.name = "+".join(dict.fromkeys(m.name for m in methods))
+
+    def create_weights(self, layer: Linear) -> None:
+        runs: list[tuple[LinearMethod, dict[str, int]]] = []
+        for (shard, (_, size)), method in zip(layer.shard_rows.items(), self.methods):
+            if runs and runs[-1][0] is method:
+                runs[-1][1][shard] = size
+            else:
+                runs.append((method, {shard: size}))
+        layer.sublayers = torch.nn.ModuleList(Linear(layer.in_features, shards, False, method)
+                                              for method, shards in runs)
+        layer.sub_starts = []
+        start = 0
+        for sub in layer.sublayers:
+            layer.sub_starts.append(start)
+            start += sub.out_features
+
+    def load_rows(self, layer: Linear, row: int, tensor: torch.Tensor | BlockTensor) -> None:
+        i = max(k for k, s in enumerate(layer.sub_starts) if s <= row)
+        sub = layer.sublayers[i]
+        sub.method.load_rows(sub, row - layer.sub_starts[i], tensor)
+
+    def finish_loading(self, layer: Linear) -> None:
+        for sub in layer.sublayers:
+            sub.finish_loading()
+
+    def apply(self, layer: Linear, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+        y = torch.cat([sub.method.apply(sub, x, batch_invariant) for sub in layer.sublayers], dim=-1)
+        return y if layer.bias is None else y + layer.bias
+
+    def rows(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("an embedding is one tensor, in one format")
 
 
 class BlockQuantizedMethod(LinearMethod):
@@ -38,8 +80,9 @@ class BlockQuantizedMethod(LinearMethod):
         self.name = fmt.name
 
     def create_weights(self, layer: Linear) -> None:
-        if layer.in_features % GROUP:
-            raise ValueError(f"{self.fmt.name} needs in_features divisible by {GROUP}, got {layer.in_features}")
+        if layer.in_features % self.fmt.block_size:
+            raise ValueError(f"{self.fmt.name} needs in_features divisible by {self.fmt.block_size}, got "
+                             f"{layer.in_features}")
         # plain blocks while loading; interleaved into the kernel's layout by finish_loading
         layer.qweight = empty_param(layer.out_features, self.fmt.row_bytes(layer.in_features), dtype=torch.uint8)
         layer.onednn = layer.qmatmul = None
@@ -75,10 +118,10 @@ class BlockQuantizedMethod(LinearMethod):
             return super().apply_add_normed(layer, x, residual, norm_w, eps, batch_invariant)
         return layer.qmatmul.add_normed(x, residual, norm_w, eps)
 
-    def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+    def apply_act_mul(self, layer: Linear, gate_up: torch.Tensor, act: str, batch_invariant: bool) -> torch.Tensor:
         if self._onednn(layer, gate_up, batch_invariant):
-            return super().apply_silu_mul(layer, gate_up, batch_invariant)
-        return layer.qmatmul.silu_mul(gate_up)
+            return super().apply_act_mul(layer, gate_up, act, batch_invariant)
+        return layer.qmatmul.act_mul(gate_up, act)
 
     @staticmethod
     def _onednn(layer: Linear, x: torch.Tensor, batch_invariant: bool) -> bool:
@@ -103,19 +146,25 @@ class QuantConfig:
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {self.mode!r}")
 
     def method(self, tensor_names: list[str], embedding: bool = False) -> LinearMethod:
-        """The method of the layer filled from these checkpoint tensors."""
-        fmt = self._format(tensor_names, embedding)
+        """The method of the layer filled from these checkpoint tensors (one per shard, in order): under auto,
+        shards stored in different formats keep theirs (MixedMethod)."""
+        formats = [self._format(n, embedding) for n in tensor_names]
+        methods = {fmt: self._method(fmt) for fmt in dict.fromkeys(formats)}
+        if len(methods) == 1:
+            return next(iter(methods.values()))
+        return MixedMethod([methods[fmt] for fmt in formats])
+
+    def _method(self, fmt: BlockFormat | None) -> LinearMethod:
         return UnquantizedMethod(self.dtype, self.packed) if fmt is None else BlockQuantizedMethod(fmt, self.packed)
 
-    def _format(self, tensor_names: list[str], embedding: bool) -> BlockFormat | None:
+    def _format(self, tensor_name: str, embedding: bool) -> BlockFormat | None:
         if self.mode == "none":
             return None
         if self.mode == "int8" or (self.mode == "int4" and embedding):
             return Q8_0
         if self.mode == "int4":
             return Q4_1
-        formats = {self.file_formats.get(n) for n in tensor_names}
-        return formats.pop() if len(formats) == 1 else None  # auto: one shared stored format, else float
+        return self.file_formats.get(tensor_name)  # auto: the format it is stored in (None: float)
 
     @property
     def wants_blocks(self) -> bool:

@@ -67,6 +67,8 @@ class ModelRunner:
         self.weight_formats = self.model.weight_formats()
         self.context_length = args.context_length or self.config.context_length
         cfg = self.config
+        # the cascade split's shared-prefix pass knows no window and no score cap (runtime/layers/attention.py)
+        self.cascade = not self.batch_invariant and not cfg.has_sliding_window and not cfg.attn_softcap
         num_slots = args.max_total_tokens or self._auto_kv_tokens()
         # every rank's pool has the same slots (rank 0 hands out slot numbers): the smallest any rank can hold
         num_slots = group.min_int(max(num_slots, 2 * args.page_size))
@@ -157,9 +159,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _copy_kv(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
-        pool, rotary = self.kv_pool, self.model.rotary
-        for k, v in zip(pool.k, pool.v):  # [kv_heads, slots, head_dim] per layer
-            k[:, dst] = rotary.shift_keys(k[:, src], shift).to(k.dtype)
+        pool = self.kv_pool
+        for i, (k, v) in enumerate(zip(pool.k, pool.v)):  # [kv_heads, slots, head_dim] per layer
+            k[:, dst] = self.model.rotary_of(i).shift_keys(k[:, src], shift).to(k.dtype)
             v[:, dst] = v[:, src]
 
     def build_batch(self, items: list[WorkItem]) -> tuple[ForwardBatch, torch.Tensor | None]:
@@ -190,7 +192,7 @@ class ModelRunner:
             kv_max = int(kv_lens.max())
             trees = any(items[i].tree is not None for i in indices)
             g = build_group(first, table[:, :kv_max][rows], kv_lens, q_lens,
-                            cascade=not self.batch_invariant and not trees)
+                            cascade=self.cascade and not trees)
             if trees:
                 _tree_rows(g, [items[i] for i in indices], table)
             return g

@@ -14,80 +14,59 @@ import torch
 
 from plait.kernels.cpu_quant import BY_GGML_TYPE, BlockFormat, BlockTensor, from_gguf
 from plait.runtime.model_config import ModelConfig
+from plait.runtime.model_loader.gguf_arch import (ROPE_TENSORS, config_from_gguf, hf_name, needs_unpermute,
+                                                  norm_shift, unpermute_qk)
+from plait.runtime.model_loader.gguf_file import GGUFFile, TensorInfo
+from plait.runtime.model_loader.gguf_tokenizer import build_tokenizer
 
-# GGUF tensor names -> HF names for the Llama family ({i} is the layer index)
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-# llama.cpp's converter permutes Q/K rows (interleaved rotary) for these architectures only
-_GGUF_PERMUTED_ARCHS = {"llama", "mistral"}
-
-
-def gguf_to_hf_name(name: str) -> str:
-    if name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[name]
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}"
-    return name  # unknown: the strict loader reports it as a leftover tensor
-
-
-def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's rotary row permutation (rows interleaved per head) back to HF layout."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _served_format(info) -> BlockFormat | None:
-    """The block format plait keeps a GGUF tensor in as stored (matrices of Q8_0/Q4_0/Q4_1), else None."""
+def _served_format(info: TensorInfo) -> BlockFormat | None:
+    """The block format plait keeps a GGUF tensor in as stored (matrices in a format the kernels take), else None."""
     return BY_GGML_TYPE.get(info.ggml_type) if len(info.shape) == 2 else None
 
 
+_FLOATS = {0: np.float32, 1: np.float16}  # F32, F16 (BF16, type 30, is widened by hand)
+
+
+def _readable(ggml_type: int) -> bool:
+    """Whether a tensor of this type can be read: a float, a block format the kernels take, or one the `gguf`
+    package dequantizes."""
+    import gguf
+    from gguf.quants import _type_traits
+
+    if ggml_type in _FLOATS or ggml_type == 30 or ggml_type in BY_GGML_TYPE:
+        return True
+    try:
+        return gguf.GGMLQuantizationType(ggml_type) in _type_traits
+    except ValueError:
+        return False
+
+
 class GGUFSource:
-    """A GGUF file. Metadata comes from transformers' fast GGUF reader; tensors are dequantized
-    with the `gguf` package (its own GGUFReader parses every vocabulary string as a numpy view,
-    about 4 s for this model, so the tensor table is read with transformers' reader instead)."""
+    """A GGUF file, read by plait's own reader (runtime/model_loader/gguf_file.py): the config from its
+    metadata, the tokenizer from its vocabulary, tensors renamed and laid out as HF's. A tensor of a type
+    that cannot be read fails here, before anything loads, naming the tensor and the type."""
 
     def __init__(self, path: str):
-        from transformers.integrations.gguf import GgufHeader, read_gguf_metadata
-
+        self.file = GGUFFile(path)
         self.path = path
-        self.metadata, self.tensor_names = read_gguf_metadata(path)
-        self.header = GgufHeader.from_file(path)
-        self.arch = self.metadata["general.architecture"]
+        self.arch = self.file.architecture
+        unreadable = [t for t in self.file.tensors if not _readable(t.ggml_type)]
+        if unreadable:
+            t = unreadable[0]
+            raise ValueError(f"{path}: tensor {t.name} is stored as {t.type_name} (ggml type {t.ggml_type}), which "
+                             f"plait cannot read ({len(unreadable)} such tensors)")
+        self.weights = [t for t in self.file.tensors if t.name not in ROPE_TENSORS]
+        self._config = config_from_gguf(self.file)
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig.from_gguf(self.metadata, self.tensor_names)
+        return self._config
 
     def tokenizer(self) -> Any:
-        from transformers import PreTrainedTokenizerFast
-        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
-
-        arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(self.path)
-        backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
-        return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+        return build_tokenizer(self.file.metadata)
 
     def block_formats(self) -> dict[str, BlockFormat | None]:
         """HF tensor name -> the block format plait serves it in as stored, None for other types."""
-        return {gguf_to_hf_name(t.name): _served_format(t) for t in self.header.tensors}
+        return {hf_name(self.arch, t.name): _served_format(t) for t in self.weights}
 
     def tensors(self, keep_blocks: bool = False, names: set[str] | None = None
                 ) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
@@ -95,41 +74,38 @@ class GGUFSource:
         block format come as their blocks (BlockTensor), never widened."""
         import gguf
 
-        cfg_heads = (
-            self.metadata.get(f"{self.arch}.attention.head_count"),
-            self.metadata.get(f"{self.arch}.attention.head_count_kv"),
-        )
-        blob = np.memmap(self.path, dtype=np.uint8, mode="r")
-        start = self.header.data_start
-        float_types = {0: np.float32, 1: np.float16}
+        cfg = self._config
 
-        def load(info) -> tuple[str, torch.Tensor | BlockTensor]:
-            raw = blob[start + info.offset : start + info.offset + info.nbytes]
-            name = gguf_to_hf_name(info.name)
+        def load(info: TensorInfo) -> tuple[str, torch.Tensor | BlockTensor]:
+            raw = self.file.data(info)
+            name = hf_name(self.arch, info.name)
             fmt = _served_format(info) if keep_blocks else None
             if fmt is not None:  # the blocks as stored, one row of them per weight row
                 t = torch.from_numpy(np.array(raw)).view(info.shape[0], -1)
-            elif info.ggml_type in float_types:
-                t = torch.from_numpy(np.frombuffer(raw, dtype=float_types[info.ggml_type]).astype(np.float32))
+            elif info.ggml_type in _FLOATS:
+                t = torch.from_numpy(np.frombuffer(raw, dtype=_FLOATS[info.ggml_type]).astype(np.float32))
             elif info.ggml_type == 30:  # BF16: widen the raw 16 bits
                 t = torch.from_numpy((np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32))
             else:
                 t = torch.from_numpy(gguf.quants.dequantize(np.asarray(raw), gguf.GGMLQuantizationType(info.ggml_type)))
             if fmt is None:
                 t = t.reshape(info.shape).contiguous()
-            if self.arch in _GGUF_PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
-                t = unpermute_qk(t, cfg_heads[0] if "q_proj" in name else cfg_heads[1])  # rows, blocks or floats
+                shift = norm_shift(self.arch, name)
+                if shift:
+                    t = t + shift
+            if needs_unpermute(self.arch, name):
+                t = unpermute_qk(t, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)  # rows, blocks or floats
             if fmt is not None:
                 return name, BlockTensor(from_gguf(t.contiguous(), info.ggml_type), fmt, tuple(info.shape))
             return name, t
 
         # numpy releases the GIL in dequantization: a small pool overlaps tensors
-        wanted = [t for t in self.header.tensors if names is None or gguf_to_hf_name(t.name) in names]
+        wanted = [t for t in self.weights if names is None or hf_name(self.arch, t.name) in names]
         with ThreadPoolExecutor(max_workers=2) as pool:
             yield from pool.map(load, wanted)
 
     def num_tensors(self) -> int:
-        return len(self.header.tensors)
+        return len(self.weights)
 
 
 class HFSource:

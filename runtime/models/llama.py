@@ -1,8 +1,10 @@
-"""One parametrised decoder for the Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, and their
-mixture-of-experts variants Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
+"""One parametrised decoder for the Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Phi-3, Gemma 2
+and 3, and the mixture-of-experts variants Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
 
-Differences are config switches (qkv bias, q/k norm per head or over all heads, q/k/v clipping, tied
-embeddings, rope scaling, and which layers' MLP is sparse: runtime/layers/moe.py).
+Differences are config switches (runtime/model_config.py: qkv bias, q/k norm per head or over all heads, q/k/v
+clipping, tied embeddings, rope scaling, which layers' MLP is sparse (runtime/layers/moe.py), Gemma's GeGLU,
+norms around both sublayers, embedding scale and soft caps, sliding-window layers with their own rotary base,
+Phi-3's fused checkpoint projections).
 Q/K/V and gate/up projections are fused into single matrices: fewer, larger matmuls.
 Positions and KV slots come from the active ForwardBatch, not from arguments.
 
@@ -24,16 +26,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.kernels.cpu_fused import add_rms_norm, rms_norm, rope_store
-from plait.kernels.cpu_quant import GROUP
+from plait.kernels.cpu_quant import GROUP, BlockTensor
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.distributed.group import SINGLE, Group, partition
 from plait.runtime.layers.attention import paged_attention
 from plait.runtime.layers.linear import (MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding, WeightLoader,
-                                         copy_loader, empty_param)
+                                         copy_loader, empty_param, narrow)
 from plait.runtime.layers.moe import SparseMLP
 from plait.runtime.layers.quantization import QuantConfig
 from plait.runtime.layers.rotary import RotaryEmbedding
-from plait.runtime.model_config import ModelConfig
+from plait.runtime.model_config import FULL, SLIDING, ModelConfig
 from plait.runtime.model_executor.forward_batch import current_batch
 
 FINAL_HIDDEN = -1  # in a capture list: the last hidden state after the final norm (what EAGLE heads read)
@@ -53,9 +55,28 @@ def _rows(heads: range, head_dim: int) -> range:
     return range(heads.start * head_dim, heads.stop * head_dim)
 
 
-def _sliced_loader(param: nn.Parameter, keep: range | None, full: int) -> WeightLoader:
-    """copy_loader of `keep`'s part of a checkpoint vector of `full` values (all of it when keep is None)."""
+def _norm_loader(param: nn.Parameter, offset: float) -> WeightLoader:
+    """copy_loader of a norm weight stored as scale - offset (Gemma stores weight - 1)."""
     load = copy_loader(param)
+    return load if not offset else (lambda tensor: load(tensor.float() + offset))
+
+
+def _split_loader(loader, sizes: dict[str, int]) -> WeightLoader:
+    """The loader of a checkpoint tensor that stacks several shards' rows (Phi-3's qkv_proj, gate_up_proj): each
+    part goes to `loader(part, shard=name)`."""
+    def load(tensor: torch.Tensor | BlockTensor) -> None:
+        if tensor.shape[0] != sum(sizes.values()):
+            raise ValueError(f"{tensor.shape[0]} rows, the fused shards {sizes} have {sum(sizes.values())}")
+        start = 0
+        for name, size in sizes.items():
+            loader(narrow(tensor, 0, range(start, start + size)), shard=name)
+            start += size
+    return load
+
+
+def _sliced_loader(param: nn.Parameter, keep: range | None, full: int, offset: float = 0.0) -> WeightLoader:
+    """_norm_loader of `keep`'s part of a checkpoint vector of `full` values (all of it when keep is None)."""
+    load = _norm_loader(param, offset)
     if keep is None:
         return load
 
@@ -79,7 +100,11 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = len(q_heads), len(kv_heads), d
         self.kv_full = cfg.num_kv_heads * d
         self.eps = cfg.rms_norm_eps
-        self.scale = d**-0.5
+        self.scale = cfg.attn_scale or d**-0.5
+        self.cfg = cfg
+        self.layer_type = cfg.layer_type(layer_id)
+        self.window = cfg.sliding_window if self.layer_type == SLIDING else 0
+        self.softcap = cfg.attn_softcap or 0.0
         p = f"model.layers.{layer_id}."
         attn, mlp = p + "self_attn.", p + "mlp."
         split = group.distributed
@@ -95,7 +120,10 @@ class DecoderLayer(nn.Module):
         self.q_norm = empty_param(self.q_size if full else d, dtype=compute_dtype) if cfg.qk_norm else None
         self.k_norm = empty_param(self.kv_size if full else d, dtype=compute_dtype) if cfg.qk_norm else None
         self.o_proj = RowLinear(self.q_full, h, False, quant.method([attn + "o_proj.weight"]), q_rows, group)
-        self.post_norm = empty_param(h, dtype=compute_dtype)
+        self.post_norm = empty_param(h, dtype=compute_dtype)  # the MLP's input norm
+        # Gemma: the attention's and the MLP's outputs are normed too, before they join the residual stream
+        self.attn_out_norm = empty_param(h, dtype=compute_dtype) if cfg.sandwich_norms else None
+        self.mlp_out_norm = empty_param(h, dtype=compute_dtype) if cfg.sandwich_norms else None
         self.gate_up_proj = self.down_proj = self.sparse = None
         if cfg.moe is not None and layer_id in cfg.moe.sparse_layers:
             shared = [mlp + f"shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
@@ -115,25 +143,38 @@ class DecoderLayer(nn.Module):
         return [self.qkv_proj, self.o_proj, *mlp]
 
     def weight_loaders(self) -> dict[str, WeightLoader]:
-        p = f"model.layers.{self.layer_id}."
+        p, cfg, off = f"model.layers.{self.layer_id}.", self.cfg, self.cfg.norm_offset
         out: dict[str, WeightLoader] = {
-            p + "input_layernorm.weight": copy_loader(self.input_norm),
-            p + "post_attention_layernorm.weight": copy_loader(self.post_norm),
+            p + "input_layernorm.weight": _norm_loader(self.input_norm, off),
             p + "self_attn.o_proj.weight": self.o_proj.weight_loader,
         }
-        for x in "qkv":
-            out[p + f"self_attn.{x}_proj.weight"] = functools.partial(self.qkv_proj.weight_loader, shard=x)
-            if self.qkv_proj.bias is not None:
-                out[p + f"self_attn.{x}_proj.bias"] = functools.partial(self.qkv_proj.bias_loader, shard=x)
+        if cfg.sandwich_norms:
+            out[p + "post_attention_layernorm.weight"] = _norm_loader(self.attn_out_norm, off)
+            out[p + "pre_feedforward_layernorm.weight"] = _norm_loader(self.post_norm, off)
+            out[p + "post_feedforward_layernorm.weight"] = _norm_loader(self.mlp_out_norm, off)
+        else:
+            out[p + "post_attention_layernorm.weight"] = _norm_loader(self.post_norm, off)
+        if cfg.fused_qkv:
+            sizes = {"q": self.q_full, "k": self.kv_full, "v": self.kv_full}
+            out[p + "self_attn.qkv_proj.weight"] = _split_loader(self.qkv_proj.weight_loader, sizes)
+        else:
+            for x in "qkv":
+                out[p + f"self_attn.{x}_proj.weight"] = functools.partial(self.qkv_proj.weight_loader, shard=x)
+        for x in "qkv" if self.qkv_proj.bias is not None else "":
+            out[p + f"self_attn.{x}_proj.bias"] = functools.partial(self.qkv_proj.bias_loader, shard=x)
         if self.sparse is not None:
             out.update(self.sparse.weight_loaders(p))
         else:
             out[p + "mlp.down_proj.weight"] = self.down_proj.weight_loader
-            for x in ("gate", "up"):
-                out[p + f"mlp.{x}_proj.weight"] = functools.partial(self.gate_up_proj.weight_loader, shard=x)
+            if cfg.fused_gate_up:
+                inter = {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}
+                out[p + "mlp.gate_up_proj.weight"] = _split_loader(self.gate_up_proj.weight_loader, inter)
+            else:
+                for x in ("gate", "up"):
+                    out[p + f"mlp.{x}_proj.weight"] = functools.partial(self.gate_up_proj.weight_loader, shard=x)
         if self.q_norm is not None:
-            out[p + "self_attn.q_norm.weight"] = _sliced_loader(self.q_norm, self.q_keep, self.q_full)
-            out[p + "self_attn.k_norm.weight"] = _sliced_loader(self.k_norm, self.kv_keep, self.kv_full)
+            out[p + "self_attn.q_norm.weight"] = _sliced_loader(self.q_norm, self.q_keep, self.q_full, off)
+            out[p + "self_attn.k_norm.weight"] = _sliced_loader(self.k_norm, self.kv_keep, self.kv_full, off)
         return out
 
     def _split_rms_norm(self, x: torch.Tensor, w: torch.Tensor, width: int) -> torch.Tensor:
@@ -141,8 +182,11 @@ class DecoderLayer(nn.Module):
         sq = self.group.all_reduce(x.float().pow(2).sum(-1, keepdim=True))
         return (x.float() * torch.rsqrt(sq / width + self.eps) * w).to(x.dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pool: KVPool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], pool: KVPool
+                ) -> torch.Tensor:
+        """One layer; `rope` holds the batch's (cos, sin) per layer type."""
         fb = current_batch()
+        cos, sin = rope.get(self.layer_type, rope[FULL])
         t, inv = x.shape[0], fb.batch_invariant
         qkv = self.qkv_proj.forward_normed(x, self.input_norm, self.eps, inv)
         if self.q_norm is not None:  # RMS norm of q and k before RoPE, in place in qkv
@@ -160,12 +204,15 @@ class DecoderLayer(nn.Module):
         # RoPE on q and k and the K/V store in one pass
         q = rope_store(qkv, cos, sin, self.num_heads, self.num_kv_heads, pool.k[self.layer_id],
                        pool.v[self.layer_id], fb.out_slots)
-        attn = paged_attention(fb, self.layer_id, pool, q, self.scale)
+        attn = self.o_proj(paged_attention(fb, self.layer_id, pool, q, self.scale, self.window, self.softcap), inv)
+        if self.attn_out_norm is not None:
+            attn = rms_norm(attn, self.attn_out_norm, self.eps)
         if self.sparse is not None:
-            x, h = add_rms_norm(x, self.o_proj(attn, inv), self.post_norm, self.eps)
+            x, h = add_rms_norm(x, attn, self.post_norm, self.eps)
             return x + self.sparse(h, inv)
-        x, gate_up = self.gate_up_proj.forward_add_normed(x, self.o_proj(attn, inv), self.post_norm, self.eps, inv)
-        return x + self.down_proj.forward_silu_mul(gate_up, inv)
+        x, gate_up = self.gate_up_proj.forward_add_normed(x, attn, self.post_norm, self.eps, inv)
+        mlp = self.down_proj.forward_act_mul(gate_up, inv, self.cfg.hidden_act)
+        return x + (mlp if self.mlp_out_norm is None else rms_norm(mlp, self.mlp_out_norm, self.eps))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -181,7 +228,16 @@ class LlamaForCausalLM(nn.Module):
         self.norm = empty_param(cfg.hidden_size, dtype=compute_dtype)
         self.lm_head = self.embed if cfg.tie_word_embeddings else VocabEmbedding(
             cfg.vocab_size, cfg.hidden_size, quant.method(["lm_head.weight"], embedding=True), group)
-        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.rope_theta, max_positions, compute_dtype)
+        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.rope_theta, max_positions, compute_dtype,
+                                      spec=cfg.rope)
+        # Gemma 3's sliding-window layers rotate with their own base
+        self.rotary_local = None if cfg.rope_local is None else RotaryEmbedding(
+            cfg.hf_config, cfg.head_dim, cfg.rope_local.theta, max_positions, compute_dtype, spec=cfg.rope_local)
+
+    def rotary_of(self, layer: int) -> RotaryEmbedding:
+        """The rotary embedding layer `layer`'s keys carry."""
+        local = self.rotary_local is not None and self.cfg.layer_type(layer) == SLIDING
+        return self.rotary_local if local else self.rotary
 
     def linears(self) -> list[nn.Module]:
         layers = [m for layer in self.layers for m in layer.linears()]
@@ -203,10 +259,14 @@ class LlamaForCausalLM(nn.Module):
         [T, len(capture) * H], each layer's output (the residual stream after it) in `capture`'s order."""
         fb = current_batch()
         x = self.embed.embed(fb.input_ids).to(self.compute_dtype)
-        cos, sin = self.rotary.tables(fb.positions)
+        if self.cfg.embed_scale != 1.0:
+            x = x * self.cfg.embed_scale
+        rope = {FULL: self.rotary.tables(fb.positions)}
+        if self.rotary_local is not None:
+            rope[SLIDING] = self.rotary_local.tables(fb.positions)
         taken: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, pool)
+            x = layer(x, rope, pool)
             if i in capture:
                 taken[i] = x.clone()  # later layers add into x in place
         if FINAL_HIDDEN in capture:
@@ -215,6 +275,8 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(x[fb.logits_rows], fb.batch_invariant).float()
         else:
             logits = self.lm_head(rms_norm(x[fb.logits_rows], self.norm, self.cfg.rms_norm_eps), fb.batch_invariant).float()
+        if self.cfg.final_softcap:
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
         if not capture:
             return logits
         return logits, torch.cat([taken[i].float() for i in capture], dim=-1)
@@ -223,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
         """HF tensor name -> the loader that puts it in place (the strict loader needs every one once)."""
         loaders: dict[str, WeightLoader] = {
             "model.embed_tokens.weight": self.embed.weight_loader,
-            "model.norm.weight": copy_loader(self.norm),
+            "model.norm.weight": _norm_loader(self.norm, self.cfg.norm_offset),
         }
         if self.lm_head is not self.embed:
             loaders["lm_head.weight"] = self.lm_head.weight_loader
