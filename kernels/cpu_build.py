@@ -19,8 +19,6 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch
-
 from plait.kernels import cpu_isa
 
 logger = logging.getLogger(__name__)
@@ -32,8 +30,17 @@ _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # argument types of the kernels' C signatures
 PTR, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
-# storage formats the kernels' format arguments name (kernels/simd_cvt.h), by torch dtype
-FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def __getattr__(name: str):
+    """FORMATS: the storage formats the kernels' format arguments name (kernels/simd_cvt.h), by torch dtype; built
+    on first use, so that asking whether the kernels can run (the server's own process, which holds no model)
+    imports no torch."""
+    if name != "FORMATS":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    return {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def load_library(name: str, **signatures: tuple) -> ctypes.CDLL | None:

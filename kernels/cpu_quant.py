@@ -154,6 +154,10 @@ def _weight_ints(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, 
 
 def dequantize(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """float32 [N, K] from plain blocks [N, row bytes], as the kernel's row lookup computes each weight."""
+    return _by_chunks(_dequantize, blocks, fmt)
+
+
+def _dequantize(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     n = blocks.shape[0]
     if fmt.super_block:
         f = _split(blocks, fmt)
@@ -181,10 +185,27 @@ def _q6_values(blocks: torch.Tensor) -> torch.Tensor:
     return (q - 32).float()
 
 
+# rows converted at a time (a multiple of TILE): the repacks' byte-wide intermediates stay a few MB (an LM head
+# has 150k rows)
+_CHUNK_ROWS = 2048
+
+
+def _by_chunks(fn, blocks: torch.Tensor, *args) -> torch.Tensor:
+    if blocks.shape[0] <= _CHUNK_ROWS:
+        return fn(blocks, *args)
+    return torch.cat([fn(blocks[i : i + _CHUNK_ROWS], *args) for i in range(0, blocks.shape[0], _CHUNK_ROWS)])
+
+
 def from_gguf(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """A GGUF tensor's blocks [N, row bytes] in the plain layout of the format BY_GGML_TYPE names: Q4_0 becomes
     Q4_1; Q5_K's high bits become bit planes; Q6_K's fields are reordered, its high bits planes and its low
     nibbles paired as Q4_K's. Other formats are kept as they are."""
+    if ggml_type not in (_Q4_0_TYPE, Q5_K.ggml_type, Q6_K.ggml_type):
+        return raw
+    return _by_chunks(_repack, raw, ggml_type)
+
+
+def _repack(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
     n = raw.shape[0]
     if ggml_type == _Q4_0_TYPE:
         b = raw.reshape(n, -1, 18)
@@ -200,7 +221,7 @@ def from_gguf(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
         return torch.cat([b[..., :16], planes, b[..., 48:]], -1).reshape(n, -1).contiguous()
     if ggml_type == Q6_K.ggml_type:  # ql[128], qh[64], scales[16], d
         b = raw.reshape(n, -1, 210)
-        ql, qh, sc, d = b[..., :128].long(), b[..., 128:192].long(), b[..., 192:208], b[..., 208:]
+        ql, qh, sc, d = b[..., :128], b[..., 128:192], b[..., 192:208], b[..., 208:]
         halves = []
         for h in range(2):  # each 128 weights: ql[64h:64h + 64], qh[32h:32h + 32]
             lo, hi = ql[..., 64 * h : 64 * h + 64], qh[..., 32 * h : 32 * h + 32]
@@ -210,9 +231,9 @@ def from_gguf(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
                 halves.append(nib | (((hi >> (2 * j)) & 3) << 4))
         q = torch.stack(halves, -2)  # [N, B, 8, 32]: sub-block s, element l
         planes = torch.stack([(q >> 4) & 1, (q >> 5) & 1], -2)  # [N, B, 8, 2, 32]
-        parts = [d, sc, _pack_bits(planes).reshape(n, -1, 64), _nibble_pairs((q & 0xF).reshape(n, -1, 256).to(torch.uint8))]
+        parts = [d, sc, _pack_bits(planes).reshape(n, -1, 64), _nibble_pairs((q & 0xF).reshape(n, -1, 256))]
         return torch.cat(parts, -1).reshape(n, -1).contiguous()
-    return raw
+    raise ValueError(f"no repack for ggml type {ggml_type}")
 
 
 def quantize(w: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
@@ -280,6 +301,17 @@ def interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     every row, then block g + 1 (one sequential stream per tile), each tile block field by field: the
     4 rows' scales, then their next field, ..., then their integers, so one load reads all 4 scales.
     Rows past the last whole tile stay plain."""
+    return _by_chunks(_interleave, blocks, fmt)  # tiles are independent; chunks bound the copies
+
+
+def interleave_(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """`interleave` in place, a chunk of rows at a time (loading a model then never holds two copies of a weight)."""
+    for i in range(0, blocks.shape[0], _CHUNK_ROWS):
+        blocks[i : i + _CHUNK_ROWS] = _interleave(blocks[i : i + _CHUNK_ROWS], fmt)
+    return blocks
+
+
+def _interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     n4, g = blocks.shape[0] // TILE * TILE, blocks.shape[1] // fmt.block_bytes
     tiles = blocks[:n4].reshape(n4 // TILE, TILE, g, fmt.block_bytes).transpose(1, 2)  # [T, G, 4, bytes]
     parts = tiles.split(list(fmt.fields), -1)
@@ -298,6 +330,10 @@ def _tile_blocks(tiled: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
 
 def deinterleave(tiled: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """Plain blocks from the kernel's layout (the inverse of `interleave`)."""
+    return _by_chunks(_deinterleave, tiled, fmt)
+
+
+def _deinterleave(tiled: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     n4 = tiled.shape[0] // TILE * TILE
     tiles = _tile_blocks(tiled, fmt).transpose(1, 2).reshape(n4, tiled.shape[1])
     return torch.cat([tiles, tiled[n4:]]).contiguous()
@@ -377,7 +413,8 @@ class QuantMatmul:
     """`quant_linear` for one weight (and bias), checked once here, so a call checks only x: a decode
     step makes a hundred or more of these calls, each a few microseconds of Python. `normed`,
     `add_normed` and `act_mul` fuse the step before the matmul into the kernel's input quantization
-    (one call instead of two; the same result as the two)."""
+    (one call instead of two; the same result as the two). Every call is `invariant` (a row's result the same in
+    any batch) unless told otherwise: then K-format calls of many rows may take the faster bfloat16 path."""
 
     def __init__(self, tiled: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None = None):
         self.tiled, self.fmt, self.bias = tiled, fmt, bias
@@ -387,35 +424,35 @@ class QuantMatmul:
         self._fn = lib.quant_linear if lib is not None and fits else None
         self._w, self._b = tiled.data_ptr(), None if bias is None else bias.data_ptr()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, invariant: bool = True) -> torch.Tensor:
         if self._fits(x, self.k):
-            return self._run(x, AS_IS, None, 0.0)
+            return self._run(x, AS_IS, None, 0.0, None, invariant)
         if x.dim() != 2 or x.shape[1] != self.k:
             raise ValueError(f"x of shape {tuple(x.shape)}: the weight takes [rows, {self.k}] features")
         if self._fn is None or x.dtype is not torch.float32 or not x.is_cpu:
             return quant_linear_ref(x, self.tiled, self.fmt, self.bias)
-        return self._run(x.contiguous(), AS_IS, None, 0.0)
+        return self._run(x.contiguous(), AS_IS, None, 0.0, None, invariant)
 
-    def normed(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    def normed(self, x: torch.Tensor, w: torch.Tensor, eps: float, invariant: bool = True) -> torch.Tensor:
         """self(rms_norm(x, w, eps))."""
         if not self._fits(x, self.k) or not self._fits_norm(w):
-            return self(cpu_fused.rms_norm(x, w, eps))
-        return self._run(x, RMS_NORM, w.data_ptr(), eps)
+            return self(cpu_fused.rms_norm(x, w, eps), invariant)
+        return self._run(x, RMS_NORM, w.data_ptr(), eps, None, invariant)
 
-    def add_normed(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+    def add_normed(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, invariant: bool = True
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, self(rms_norm(x + residual, w, eps))), the sum written into x as cpu_fused.add_rms_norm."""
         if (not self._fits(x, self.k) or not self._fits(residual, self.k) or residual.shape != x.shape
                 or not self._fits_norm(w)):
             x, h = cpu_fused.add_rms_norm(x, residual, w, eps)
-            return x, self(h)
-        return x, self._run(x, ADD_RMS_NORM, w.data_ptr(), eps, residual.data_ptr())
+            return x, self(h, invariant)
+        return x, self._run(x, ADD_RMS_NORM, w.data_ptr(), eps, residual.data_ptr(), invariant)
 
-    def act_mul(self, gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    def act_mul(self, gate_up: torch.Tensor, act: str = "silu", invariant: bool = True) -> torch.Tensor:
         """self(act(gate) * up) for gate_up [M, 2K] = gate | up (act: silu or gelu_tanh)."""
         if not self._fits(gate_up, 2 * self.k):
-            return self(cpu_fused.act_mul(gate_up, act))
-        return self._run(gate_up, SILU_MUL if act == "silu" else GELU_MUL, None, 0.0)
+            return self(cpu_fused.act_mul(gate_up, act), invariant)
+        return self._run(gate_up, SILU_MUL if act == "silu" else GELU_MUL, None, 0.0, None, invariant)
 
     def _fits(self, x: torch.Tensor, cols: int) -> bool:
         return (self._fn is not None and x.dtype is torch.float32 and x.is_cpu and x.dim() == 2
@@ -424,11 +461,11 @@ class QuantMatmul:
     def _fits_norm(self, w: torch.Tensor) -> bool:
         return w.dtype is torch.float32 and w.shape == (self.k,) and w.is_contiguous()
 
-    def _run(self, x: torch.Tensor, prologue: int, norm_w: int | None, eps: float, residual: int | None = None
-             ) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, prologue: int, norm_w: int | None, eps: float, residual: int | None,
+             invariant: bool) -> torch.Tensor:
         y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
         self._fn(x.data_ptr(), self._w, self._b, y.data_ptr(), x.shape[0], self.n, self.k, self.fmt.code, prologue,
-                 norm_w, eps, residual, torch.get_num_threads())
+                 norm_w, eps, residual, torch.get_num_threads(), int(invariant))
         return y
 
 
@@ -451,5 +488,5 @@ def quant_rows(tiled: torch.Tensor, fmt: BlockFormat, ids: torch.Tensor) -> torc
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    return load_library("quant_linear", quant_linear=(PTR, PTR, PTR, PTR, I64, I64, I64, INT, INT, PTR, F32, PTR, INT),
+    return load_library("quant_linear", quant_linear=(PTR, PTR, PTR, PTR, I64, I64, I64, INT, INT, PTR, F32, PTR, INT, INT),
                         quant_rows=(PTR, PTR, I64, I64, I64, INT, PTR))

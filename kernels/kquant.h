@@ -45,14 +45,20 @@ static inline __attribute__((always_inline)) KBlock kblock_in(const uint8_t *w, 
   return b;
 }
 
-// Q4_K/Q5_K: the 8 6-bit scales and mins from their 12 packed bytes (GGUF's get_scale_min_k4)
+// Q4_K/Q5_K: the 8 6-bit scales and mins from their 12 packed bytes (GGUF's get_scale_min_k4), one byte each,
+// scale s in byte s of *sc: four 32-bit operations per half instead of a loop over bytes
+static inline void kscales64(const uint8_t *q, uint64_t *sc, uint64_t *m) {
+  const uint32_t u0 = load_u32(q), u1 = load_u32(q + 4), u2 = load_u32(q + 8);
+  const uint32_t sc_hi = (u2 & 0x0f0f0f0fu) | (((u0 >> 6) & 0x03030303u) << 4);
+  const uint32_t m_hi = ((u2 >> 4) & 0x0f0f0f0fu) | (((u1 >> 6) & 0x03030303u) << 4);
+  *sc = (uint64_t)(u0 & 0x3f3f3f3fu) | ((uint64_t)sc_hi << 32);
+  *m = (uint64_t)(u1 & 0x3f3f3f3fu) | ((uint64_t)m_hi << 32);
+}
+
 static inline void kscales(const uint8_t *q, int16_t *sc, int16_t *m) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = q[j] & 63;
-    m[j] = q[j + 4] & 63;
-    sc[j + 4] = (q[j + 8] & 0xF) | ((q[j] >> 6) << 4);
-    m[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
-  }
+  uint64_t s, n;
+  kscales64(q, &s, &n);
+  for (int j = 0; j < 8; ++j) sc[j] = (int16_t)((s >> (8 * j)) & 0xFF), m[j] = (int16_t)((n >> (8 * j)) & 0xFF);
 }
 
 // weight element i (0..255) of a block as its integer times its sub-block scale (what multiplies x)
@@ -87,6 +93,9 @@ static void quantize_row_k(const float *x, int64_t k, int16_t *q, float *d, int3
     }
   }
 }
+
+static void kquant_rows(const uint8_t *w, const int64_t *ids, int64_t count, int64_t n, int64_t k, const int fmt,
+                        float *out);
 
 typedef struct {
   const float *bias;
@@ -191,6 +200,72 @@ static inline __m512i dot16x2(__m512i acc, __m512i w, __m512i x) {
 #endif
 }
 
+// a whole tile's block g: the 4 rows' fields and sub-block scales
+typedef struct {
+  KBlock b[TILE_N];
+  uint64_t sc[TILE_N], mn[TILE_N];  // Q4_K/Q5_K: 8 scales and 8 mins, a byte each
+  __m512i sc16[TILE_N];  // Q6_K: the 16 scales as words
+} KTileBlock;
+
+static inline __attribute__((always_inline)) void kprep512(const KJob *j, int64_t n, int64_t g, KTileBlock *t,
+                                                           const int fmt) {
+  for (int c = 0; c < TILE_N; ++c) {
+    t->b[c] = kblock_in(j->w, j->k, n, 1, c, g, fmt);
+    if (fmt == Q6_K)
+      t->sc16[c] = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)t->b[c].sc)));
+    else
+      kscales64(t->b[c].sc, &t->sc[c], &t->mn[c]);
+  }
+}
+
+// row c's sub-blocks 2p and 2p + 1 as 32 int16 weights each, times their scales
+static inline __attribute__((always_inline)) void kpair512(const KTileBlock *t, int c, int p, __m512i *w0,
+                                                           __m512i *w1, const int fmt) {
+  const __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(t->b[c].qs + 32 * p)));
+  __m512i a = _mm512_and_si512(both, _mm512_set1_epi16(0xF)), b = _mm512_srli_epi16(both, 4);
+  if (fmt == Q6_K) {
+    const __m512i k16 = _mm512_set1_epi16(16), k32 = _mm512_set1_epi16(32);
+    const uint8_t *h = t->b[c].hi + 16 * p;
+    a = _mm512_sub_epi16(a, k32), b = _mm512_sub_epi16(b, k32);
+    a = _mm512_mask_add_epi16(a, load_u32(h), a, k16);
+    a = _mm512_mask_add_epi16(a, load_u32(h + 4), a, k32);
+    b = _mm512_mask_add_epi16(b, load_u32(h + 8), b, k16);
+    b = _mm512_mask_add_epi16(b, load_u32(h + 12), b, k32);
+    // lanes 0-15 take scale 4p (resp. 4p + 2), lanes 16-31 scale 4p + 1 (4p + 3)
+    const __m512i halves = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);
+    const __m512i i0 = _mm512_add_epi16(halves, _mm512_set1_epi16((short)(4 * p)));
+    *w0 = _mm512_mullo_epi16(a, _mm512_permutexvar_epi16(i0, t->sc16[c]));
+    *w1 = _mm512_mullo_epi16(b, _mm512_permutexvar_epi16(_mm512_add_epi16(i0, _mm512_set1_epi16(2)), t->sc16[c]));
+    return;
+  }
+  if (fmt == Q5_K) {
+    const __m512i k16 = _mm512_set1_epi16(16);
+    a = _mm512_mask_add_epi16(a, load_u32(t->b[c].hi + 8 * p), a, k16);
+    b = _mm512_mask_add_epi16(b, load_u32(t->b[c].hi + 8 * p + 4), b, k16);
+  }
+  *w0 = _mm512_mullo_epi16(a, _mm512_set1_epi16((short)((t->sc[c] >> (16 * p)) & 0xFF)));
+  *w1 = _mm512_mullo_epi16(b, _mm512_set1_epi16((short)((t->sc[c] >> (16 * p + 8)) & 0xFF)));
+}
+
+// sum_s m_s xs_s, exact in int32 (Q4_K/Q5_K)
+static inline int32_t kmins(uint64_t mn, const int32_t *xs) {
+  int32_t t = 0;
+  for (int s = 0; s < 8; ++s) t += (int32_t)((mn >> (8 * s)) & 0xFF) * xs[s];
+  return t;
+}
+
+// block g's integer dots of one input row with one weight row, into the row's float accumulators
+static inline __attribute__((always_inline)) void kfinish512(__m512i acc, float d, float dmin, uint64_t mn,
+                                                             float dx, const int32_t *xs, __m512 *facc, float *mins,
+                                                             const int fmt) {
+  *facc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(d * dx), *facc);
+  if (fmt != Q6_K) *mins = fmaf(dmin * (float)kmins(mn, xs), dx, *mins);
+}
+
+static inline void kstore(const KJob *j, int64_t m, int64_t n, __m512 facc, float mins) {
+  j->y[m * j->n + n] = _mm512_reduce_add_ps(facc) - mins + (j->bias ? j->bias[n] : 0.f);
+}
+
 // a whole tile (4 weight rows from n) against input rows [m, m + R): per block, int32 lanes per (row, input row),
 // then one conversion and multiply-add
 static inline __attribute__((always_inline)) void ktile512(const KJob *j, int64_t n, int64_t m, const int R,
@@ -200,49 +275,18 @@ static inline __attribute__((always_inline)) void ktile512(const KJob *j, int64_
   float mins[TILE_M_K][TILE_N];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < TILE_N; ++c) facc[r][c] = _mm512_setzero_ps(), mins[r][c] = 0.f;
-  const __m512i low = _mm512_set1_epi16(0xF);
-  const __m512i halves = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(1), 1);  // Q6_K scale index
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t *tb = j->w + (n * G + g * TILE_N) * bb;
     for (int64_t o = 0; o < TILE_N * bb; o += 64) __builtin_prefetch(tb + PREFETCH_BYTES + o);
-    KBlock b[TILE_N];
-    int16_t sc[TILE_N][8], mn[TILE_N][8];
-    __m512i sc16[TILE_N];
-    for (int c = 0; c < TILE_N; ++c) {
-      b[c] = kblock_in(j->w, j->k, n, 1, c, g, fmt);
-      if (fmt == Q6_K)
-        sc16[c] = _mm512_cvtepi8_epi16(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)b[c].sc)));
-      else
-        kscales(b[c].sc, sc[c], mn[c]);
-    }
+    KTileBlock t;
+    kprep512(j, n, g, &t, fmt);
     __m512i acc[TILE_M_K][TILE_N];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < TILE_N; ++c) acc[r][c] = _mm512_setzero_si512();
     for (int p = 0; p < 4; ++p) {  // sub-block pairs
       for (int c = 0; c < TILE_N; ++c) {
-        const __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b[c].qs + 32 * p)));
-        __m512i w0 = _mm512_and_si512(both, low), w1 = _mm512_srli_epi16(both, 4);
-        if (fmt == Q6_K) {
-          const __m512i k16 = _mm512_set1_epi16(16), k32 = _mm512_set1_epi16(32);
-          const uint8_t *h = b[c].hi + 16 * p;
-          w0 = _mm512_sub_epi16(w0, k32), w1 = _mm512_sub_epi16(w1, k32);
-          w0 = _mm512_mask_add_epi16(w0, load_u32(h), w0, k16);
-          w0 = _mm512_mask_add_epi16(w0, load_u32(h + 4), w0, k32);
-          w1 = _mm512_mask_add_epi16(w1, load_u32(h + 8), w1, k16);
-          w1 = _mm512_mask_add_epi16(w1, load_u32(h + 12), w1, k32);
-          // lanes 0-15 take scale 4p (resp. 4p + 2), lanes 16-31 scale 4p + 1 (4p + 3)
-          const __m512i i0 = _mm512_add_epi16(halves, _mm512_set1_epi16((short)(4 * p)));
-          w0 = _mm512_mullo_epi16(w0, _mm512_permutexvar_epi16(i0, sc16[c]));
-          w1 = _mm512_mullo_epi16(w1, _mm512_permutexvar_epi16(_mm512_add_epi16(i0, _mm512_set1_epi16(2)), sc16[c]));
-        } else {
-          if (fmt == Q5_K) {
-            const __m512i k16 = _mm512_set1_epi16(16);
-            w0 = _mm512_mask_add_epi16(w0, load_u32(b[c].hi + 8 * p), w0, k16);
-            w1 = _mm512_mask_add_epi16(w1, load_u32(b[c].hi + 8 * p + 4), w1, k16);
-          }
-          w0 = _mm512_mullo_epi16(w0, _mm512_set1_epi16(sc[c][2 * p]));
-          w1 = _mm512_mullo_epi16(w1, _mm512_set1_epi16(sc[c][2 * p + 1]));
-        }
+        __m512i w0, w1;
+        kpair512(&t, c, p, &w0, &w1, fmt);
         for (int r = 0; r < R; ++r) {
           const int16_t *xq = j->xq + (m + r) * j->k + g * QKK + 64 * p;
           acc[r][c] = dot16x2(acc[r][c], w0, _mm512_loadu_si512((const void *)xq));
@@ -250,19 +294,98 @@ static inline __attribute__((always_inline)) void ktile512(const KJob *j, int64_
         }
       }
     }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < TILE_N; ++c)
+        kfinish512(acc[r][c], half(t.b[c].d), fmt == Q6_K ? 0.f : half(t.b[c].dmin), t.mn[c],
+                   j->xd[(m + r) * G + g], j->xs + (m + r) * (j->k / 32) + g * 8, &facc[r][c], &mins[r][c], fmt);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < TILE_N; ++c) kstore(j, m + r, n + c, facc[r][c], mins[r][c]);
+}
+
+#define KMANY_R 4  // input rows per pass over a decoded tile: 16 integer accumulators and 8 input vectors
+// Many input rows: the tile's weights decoded once (integers times their sub-block scales, 4 rows x K words:
+// 12 KB for K = 1536) into `buf`, then every input row streams past them, so a weight's decoding is shared by
+// all rows and the inner loop is VNNI dot products alone (each input vector loaded once per 4 weight rows, the
+// float accumulators in memory: touched once per block). Each output is summed exactly as in ktile512.
+static inline __attribute__((always_inline)) void kmany_rows(const KJob *j, int64_t n, int64_t m, const int16_t *buf,
+                                                             const float *d, const float *dmin, const int32_t *mn,
+                                                             const int R, const int fmt) {
+  const int64_t G = j->k / QKK;
+  float facc[KMANY_R][TILE_N][16] __attribute__((aligned(64)));
+  float mins[KMANY_R][TILE_N];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < TILE_N; ++c) _mm512_store_ps(facc[r][c], _mm512_setzero_ps()), mins[r][c] = 0.f;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i acc[KMANY_R][TILE_N];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < TILE_N; ++c) acc[r][c] = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+      __m512i x0[KMANY_R], x1[KMANY_R];
+      for (int r = 0; r < R; ++r) {
+        const int16_t *xq = j->xq + (m + r) * j->k + g * QKK + 64 * p;
+        x0[r] = _mm512_loadu_si512((const void *)xq), x1[r] = _mm512_loadu_si512((const void *)(xq + 32));
+      }
+      for (int c = 0; c < TILE_N; ++c) {
+        const int16_t *w = buf + ((g * 4 + p) * TILE_N + c) * 64;
+        const __m512i w0 = _mm512_loadu_si512((const void *)w), w1 = _mm512_loadu_si512((const void *)(w + 32));
+        for (int r = 0; r < R; ++r) acc[r][c] = dot16x2(dot16x2(acc[r][c], w0, x0[r]), w1, x1[r]);
+      }
+    }
     for (int r = 0; r < R; ++r) {
       const float dx = j->xd[(m + r) * G + g];
-      const int32_t *xs = j->xs + (m + r) * (j->k / 32) + g * 8;
+      int32_t mt[TILE_N] = {0};  // sum_s m_s xs_s of each weight row: the 4 rows' mins against the 8 sums at once
+      if (fmt != Q6_K) {
+        const __m512i xs = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(j->xs + (m + r) * (j->k / 32) + g * 8)));
+        const __m512i t01 = _mm512_mullo_epi32(_mm512_loadu_si512((const void *)(mn + g * 32)), xs);
+        const __m512i t23 = _mm512_mullo_epi32(_mm512_loadu_si512((const void *)(mn + g * 32 + 16)), xs);
+        mt[0] = _mm512_mask_reduce_add_epi32(0x00FF, t01), mt[1] = _mm512_mask_reduce_add_epi32(0xFF00, t01);
+        mt[2] = _mm512_mask_reduce_add_epi32(0x00FF, t23), mt[3] = _mm512_mask_reduce_add_epi32(0xFF00, t23);
+      }
       for (int c = 0; c < TILE_N; ++c) {
-        facc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_set1_ps(half(b[c].d) * dx), facc[r][c]);
-        mins[r][c] = fmaf(kmin_term(&b[c], mn[c], xs, fmt), dx, mins[r][c]);
+        const __m512 f = _mm512_load_ps(facc[r][c]);
+        _mm512_store_ps(facc[r][c], _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), _mm512_set1_ps(d[g * TILE_N + c] * dx), f));
+        if (fmt != Q6_K) mins[r][c] = fmaf(dmin[g * TILE_N + c] * (float)mt[c], dx, mins[r][c]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < TILE_N; ++c)
-      j->y[(m + r) * j->n + n + c] = _mm512_reduce_add_ps(facc[r][c]) - mins[r][c] + (j->bias ? j->bias[n + c] : 0.f);
+    for (int c = 0; c < TILE_N; ++c) kstore(j, m + r, n + c, _mm512_load_ps(facc[r][c]), mins[r][c]);
 }
+
+// bytes of scratch one thread needs for kmany (decoded tile; each block's d and dmin per row, and its 8 mins)
+static inline int64_t kmany_scratch(int64_t k) {
+  return TILE_N * k * 2 + (k / QKK) * TILE_N * (2 * (int64_t)sizeof(float) + 8 * (int64_t)sizeof(int32_t));
+}
+
+// weight rows [n, n + 4) against input rows [m0, m1)
+static inline __attribute__((always_inline)) void kmany(const KJob *j, int64_t n, int64_t m0, int64_t m1,
+                                                        char *scratch, const int fmt) {
+  const int64_t G = j->k / QKK;
+  int16_t *buf = (int16_t *)scratch;
+  float *d = (float *)(scratch + TILE_N * j->k * 2), *dmin = d + G * TILE_N;
+  int32_t *mn = (int32_t *)(dmin + G * TILE_N);  // [G][row c][8]
+  for (int64_t g = 0; g < G; ++g) {
+    KTileBlock t;
+    kprep512(j, n, g, &t, fmt);
+    for (int c = 0; c < TILE_N; ++c) {
+      d[g * TILE_N + c] = half(t.b[c].d);
+      dmin[g * TILE_N + c] = fmt == Q6_K ? 0.f : half(t.b[c].dmin);
+      for (int s = 0; s < 8; ++s) mn[(g * TILE_N + c) * 8 + s] = fmt == Q6_K ? 0 : (int32_t)((t.mn[c] >> (8 * s)) & 0xFF);
+      for (int p = 0; p < 4; ++p) {
+        __m512i w0, w1;
+        kpair512(&t, c, p, &w0, &w1, fmt);
+        int16_t *w = buf + ((g * 4 + p) * TILE_N + c) * 64;
+        _mm512_storeu_si512((void *)w, w0);
+        _mm512_storeu_si512((void *)(w + 32), w1);
+      }
+    }
+  }
+  int64_t m = m0;
+  for (; m + KMANY_R <= m1; m += KMANY_R) kmany_rows(j, n, m, buf, d, dmin, mn, KMANY_R, fmt);
+  for (; m < m1; ++m) kmany_rows(j, n, m, buf, d, dmin, mn, 1, fmt);
+}
+#define KMANY 1
 #define KWHOLE_TILE(j, n, m, R, fmt) ktile512(j, n, m, R, fmt)
 #elif defined(__AVX2__)
 #define KWHOLE_TILE(j, n, m, R, fmt) \
@@ -271,9 +394,114 @@ static inline __attribute__((always_inline)) void ktile512(const KJob *j, int64_
 #define KWHOLE_TILE(j, n, m, R, fmt) ktile(j, n, TILE_N, 1, m, R, fmt)
 #endif
 
-static void krun_rows(const KJob *j, int64_t begin, int64_t end, const int fmt) {
+#if defined(__AVX512BF16__)
+// Many rows on a CPU with bfloat16 dot products: each tile's weights are dequantized once (d sc q - dmin m, rounded
+// to bfloat16) into scratch, laid out [32-weight chunk][row][32], and the input rows, rounded to bfloat16 once per
+// call, stream past them with vdpbf16ps into float accumulators: no per-block finishing, so this runs at the
+// speed of a float GEMM (oneDNN's bfloat16 path without its copy of the weights). Its sums round differently from
+// the integer path's: calls that must be batch-invariant never take it.
+static inline __attribute__((always_inline)) void kpair_bf16(const KTileBlock *t, int c, int p, uint16_t *buf,
+                                                             int64_t g, const int fmt) {
+  const __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(t->b[c].qs + 32 * p)));
+  __m512i v[2] = {_mm512_and_si512(both, _mm512_set1_epi16(0xF)), _mm512_srli_epi16(both, 4)};
+  const float d = half(t->b[c].d);
+  if (fmt == Q6_K) {
+    const __m512i k16 = _mm512_set1_epi16(16), k32 = _mm512_set1_epi16(32);
+    const uint8_t *h = t->b[c].hi + 16 * p;
+    for (int i = 0; i < 2; ++i) {
+      v[i] = _mm512_sub_epi16(v[i], k32);
+      v[i] = _mm512_mask_add_epi16(v[i], load_u32(h + 8 * i), v[i], k16);
+      v[i] = _mm512_mask_add_epi16(v[i], load_u32(h + 8 * i + 4), v[i], k32);
+    }
+  } else if (fmt == Q5_K) {
+    for (int i = 0; i < 2; ++i)
+      v[i] = _mm512_mask_add_epi16(v[i], load_u32(t->b[c].hi + 8 * p + 4 * i), v[i], _mm512_set1_epi16(16));
+  }
+  const float dmin = fmt == Q6_K ? 0.f : half(t->b[c].dmin);
+  for (int i = 0; i < 2; ++i) {  // sub-block s = 2p + i: elements 0-15 and 16-31
+    const int s = 2 * p + i;
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v[i])));
+    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v[i], 1)));
+    __m512 w0, w1;
+    if (fmt == Q6_K) {
+      w0 = _mm512_mul_ps(q0, _mm512_set1_ps(d * (float)(int8_t)t->b[c].sc[2 * s]));
+      w1 = _mm512_mul_ps(q1, _mm512_set1_ps(d * (float)(int8_t)t->b[c].sc[2 * s + 1]));
+    } else {
+      const __m512 scale = _mm512_set1_ps(d * (float)((t->sc[c] >> (8 * s)) & 0xFF));
+      const __m512 off = _mm512_set1_ps(dmin * (float)((t->mn[c] >> (8 * s)) & 0xFF));
+      w0 = _mm512_fmsub_ps(q0, scale, off), w1 = _mm512_fmsub_ps(q1, scale, off);
+    }
+    _mm512_storeu_si512((void *)(buf + ((g * 8 + s) * TILE_N + c) * 32), (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+  }
+}
+
+static inline __attribute__((always_inline)) void kmany_bf16_rows(const KJob *j, const uint16_t *xb, int64_t n,
+                                                                  int64_t m, const uint16_t *buf, const int R) {
+  const int64_t chunks = j->k / 32;
+  __m512 acc[KMANY_R][TILE_N];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < TILE_N; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < chunks; ++q) {
+    __m512bh x[KMANY_R];
+    for (int r = 0; r < R; ++r) x[r] = (__m512bh)_mm512_loadu_si512((const void *)(xb + (m + r) * j->k + 32 * q));
+    for (int c = 0; c < TILE_N; ++c) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(buf + (q * TILE_N + c) * 32));
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, x[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < TILE_N; ++c)
+      j->y[(m + r) * j->n + n + c] = _mm512_reduce_add_ps(acc[r][c]) + (j->bias ? j->bias[n + c] : 0.f);
+}
+
+// weight rows [n, n + 4) against bfloat16 input rows [m0, m1); scratch holds 4 K bfloat16 weights
+static inline __attribute__((always_inline)) void kmany_bf16(const KJob *j, const uint16_t *xb, int64_t n,
+                                                             int64_t m0, int64_t m1, uint16_t *buf, const int fmt) {
+  for (int64_t g = 0; g < j->k / QKK; ++g) {
+    KTileBlock t;
+    kprep512(j, n, g, &t, fmt);
+    for (int c = 0; c < TILE_N; ++c)
+      for (int p = 0; p < 4; ++p) kpair_bf16(&t, c, p, buf, g, fmt);
+  }
+  int64_t m = m0;
+  for (; m + KMANY_R <= m1; m += KMANY_R) kmany_bf16_rows(j, xb, n, m, buf, KMANY_R);
+  for (; m < m1; ++m) kmany_bf16_rows(j, xb, n, m, buf, 1);
+}
+
+// a weight row past the last whole tile against bfloat16 input rows [m0, m1): its floats, one dot per input row
+static void kmany_bf16_tail(const KJob *j, const uint16_t *xb, int64_t row, int64_t m0, int64_t m1, float *wrow,
+                            const int fmt) {
+  kquant_rows(j->w, &row, 1, j->n, j->k, fmt, wrow);
+  for (int64_t m = m0; m < m1; ++m) {
+    float s = 0.f;
+    for (int64_t i = 0; i < j->k; ++i) s += bf16_to_f32(xb[m * j->k + i]) * wrow[i];
+    j->y[m * j->n + row] = s + (j->bias ? j->bias[row] : 0.f);
+  }
+}
+#define KMANY_BF16 1
+#endif
+
+// input rows from which a whole tile is decoded once into scratch (kmany) instead of once per few rows
+#define KMANY_MIN_ROWS 8
+// bytes of quantized input rows one pass over the weights takes (they stay in L2 while every tile passes them)
+#define KMANY_BLOCK_BYTES (256 * 1024)
+
+// weight rows [begin, end) against input rows [m0, m1) (all rows when scratch is NULL)
+static void krun_rows(const KJob *j, int64_t begin, int64_t end, int64_t m0, int64_t m1, char *scratch,
+                      const int fmt) {
+  (void)scratch, (void)m0, (void)m1;  // the many-row path is built with AVX-512 only
   for (int64_t n = begin; n < end; n += TILE_N) {
     int64_t m = 0;
+#ifdef KMANY
+    if (n + TILE_N <= end && scratch) {
+      kmany(j, n, m0, m1, scratch, fmt);
+      continue;
+    }
+    if (scratch) {  // rows past the last whole tile, of this block of input rows
+      for (m = m0; m < m1; ++m) ktile(j, n, (int)(end - n), 0, m, 1, fmt);
+      continue;
+    }
+#endif
     if (n + TILE_N <= end) {
       for (; m + TILE_M_K <= j->m; m += TILE_M_K) KWHOLE_TILE(j, n, m, TILE_M_K, fmt);
       for (; m < j->m; ++m) KWHOLE_TILE(j, n, m, 1, fmt);

@@ -337,8 +337,66 @@ static inline int64_t chunk_of(int64_t tiles, int *threads) {
   return tiles / (8 * *threads) > 1 ? tiles / (8 * *threads) : 1;
 }
 
+#ifdef KMANY_BF16
+static void kquant_linear_bf16(float *x, const void *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
+                               int fmt, int prologue, const float *norm_w, float eps, const float *residual,
+                               int threads) {
+  uint16_t *xb = (uint16_t *)malloc((size_t)(m * k * 2));
+  float *row = (float *)malloc((size_t)k * sizeof(float));
+  if (!xb || !row) {
+    free(xb), free(row);
+    return;
+  }
+  for (int64_t r = 0; r < m; ++r) {  // each input row transformed, then rounded to bfloat16 once
+    const float *xr = prepare_row(x, r, k, prologue, norm_w, eps, residual, row);
+    for (int64_t i = 0; i < k; i += 32)
+      _mm512_storeu_si512((void *)(xb + r * k + i),
+                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + i + 16), _mm512_loadu_ps(xr + i)));
+  }
+  free(row);
+  const KJob j = {bias, NULL, NULL, NULL, (const uint8_t *)w, y, m, n, k};
+  const int64_t tiles = (n + TILE_N - 1) / TILE_N, chunk = chunk_of(tiles, &threads);
+  int64_t block = KMANY_BLOCK_BYTES / (2 * k) / KMANY_R * KMANY_R;
+  block = block < KMANY_R ? KMANY_R : block;
+#pragma omp parallel num_threads(threads)
+  {
+    uint16_t *buf = (uint16_t *)malloc((size_t)(TILE_N * k * 2 + k * (int64_t)sizeof(float)));
+    float *wrow = (float *)(buf + TILE_N * k);
+    for (int64_t m0 = 0; m0 < m; m0 += block) {
+      const int64_t m1 = m0 + block < m ? m0 + block : m;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t c0 = 0; c0 < tiles; c0 += chunk) {
+        const int64_t stop = (c0 + chunk) * TILE_N < n ? (c0 + chunk) * TILE_N : n;
+        for (int64_t nn = c0 * TILE_N; nn < stop; nn += TILE_N) {
+          if (nn + TILE_N > stop) {
+            for (int64_t row_ = nn; row_ < stop; ++row_) kmany_bf16_tail(&j, xb, row_, m0, m1, wrow, fmt);
+          } else if (fmt == Q4_K) {
+            kmany_bf16(&j, xb, nn, m0, m1, buf, Q4_K);
+          } else if (fmt == Q5_K) {
+            kmany_bf16(&j, xb, nn, m0, m1, buf, Q5_K);
+          } else {
+            kmany_bf16(&j, xb, nn, m0, m1, buf, Q6_K);
+          }
+        }
+      }
+    }
+    free(buf);
+  }
+  free(xb);
+}
+#endif
+
 static void kquant_linear(float *x, const void *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
-                          int fmt, int prologue, const float *norm_w, float eps, const float *residual, int threads) {
+                          int fmt, int prologue, const float *norm_w, float eps, const float *residual, int threads,
+                          int invariant) {
+#ifdef KMANY_BF16
+  if (m >= KMANY_MIN_ROWS && !invariant) {
+    kquant_linear_bf16(x, w, bias, y, m, n, k, fmt, prologue, norm_w, eps, residual, threads);
+    return;
+  }
+#else
+  (void)invariant;
+#endif
   const int64_t tiles = (n + TILE_N - 1) / TILE_N;
   char *buf = (char *)malloc((size_t)(2 * m * k + (m * k / QKK + k) * (int64_t)sizeof(float) +
                                       m * k / 32 * (int64_t)sizeof(int32_t)));
@@ -351,14 +409,34 @@ static void kquant_linear(float *x, const void *w, const float *bias, float *y, 
                    xs + r * (k / 32));
   const KJob j = {bias, xq, xd, xs, (const uint8_t *)w, y, m, n, k};
   const int64_t chunk = chunk_of(tiles, &threads);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t c0 = 0; c0 < tiles; c0 += chunk) {
-    const int64_t begin = c0 * TILE_N, stop = (c0 + chunk) * TILE_N < n ? (c0 + chunk) * TILE_N : n;
-    switch (fmt) {  // the format a constant in each copy
-      case Q4_K: krun_rows(&j, begin, stop, Q4_K); break;
-      case Q5_K: krun_rows(&j, begin, stop, Q5_K); break;
-      default: krun_rows(&j, begin, stop, Q6_K); break;
+#ifdef KMANY
+  const int many = m >= KMANY_MIN_ROWS;
+  // input rows per pass over the weights (a multiple of the row tile, at least one tile)
+  int64_t block = KMANY_BLOCK_BYTES / (2 * k) / KMANY_R * KMANY_R;
+  block = !many ? m : block < KMANY_R ? KMANY_R : block;
+#else
+  const int64_t block = m;
+#endif
+#pragma omp parallel num_threads(threads)
+  {
+#ifdef KMANY
+    char *scratch = many ? (char *)malloc((size_t)kmany_scratch(k)) : NULL;
+#else
+    char *scratch = NULL;
+#endif
+    for (int64_t m0 = 0; m0 < m; m0 += block) {
+      const int64_t m1 = m0 + block < m ? m0 + block : m;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t c0 = 0; c0 < tiles; c0 += chunk) {
+        const int64_t begin = c0 * TILE_N, stop = (c0 + chunk) * TILE_N < n ? (c0 + chunk) * TILE_N : n;
+        switch (fmt) {  // the format a constant in each copy
+          case Q4_K: krun_rows(&j, begin, stop, m0, m1, scratch, Q4_K); break;
+          case Q5_K: krun_rows(&j, begin, stop, m0, m1, scratch, Q5_K); break;
+          default: krun_rows(&j, begin, stop, m0, m1, scratch, Q6_K); break;
+        }
+      }
     }
+    free(scratch);
   }
   free(buf);
 }
@@ -367,11 +445,14 @@ static void kquant_linear(float *x, const void *w, const float *bias, float *y, 
 // worker threads. k must be a multiple of 32 (256 for the K formats). The input rows are first transformed by
 // `prologue`, by the same row functions as kernels/fused_ops.c (so the result is the unfused one, bit for bit):
 // AS_IS x [m, k]; RMS_NORM x [m, k] normalized and scaled by norm_w; SILU_MUL (GELU_MUL) x [m, 2k], gate | up;
-// ADD_RMS_NORM x [m, k] += residual [m, k] in place (the residual stream), then as RMS_NORM.
+// ADD_RMS_NORM x [m, k] += residual [m, k] in place (the residual stream), then as RMS_NORM. K-format calls of many rows
+// decode each weight tile once for all of them (kquant.h's kmany, the same sums as for a few rows); unless
+// `invariant`, a CPU with bfloat16 dot products takes kquant.h's bfloat16 path for them instead (faster, sums that
+// round differently).
 void quant_linear(float *x, const void *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k, int fmt,
-                  int prologue, const float *norm_w, float eps, const float *residual, int threads) {
+                  int prologue, const float *norm_w, float eps, const float *residual, int threads, int invariant) {
   if (fmt >= Q4_K) {
-    kquant_linear(x, w, bias, y, m, n, k, fmt, prologue, norm_w, eps, residual, threads);
+    kquant_linear(x, w, bias, y, m, n, k, fmt, prologue, norm_w, eps, residual, threads, invariant);
     return;
   }
   const int64_t G = k / QK, tiles = (n + TILE_N - 1) / TILE_N;

@@ -75,15 +75,25 @@ def _models(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from plait.launch_server import main as serve
-
-    from plait.runtime.speculative.train import main as train_eagle
-
-    commands = {"serve": serve, "generate": _generate, "models": _models, "train-eagle": train_eagle}
+    commands = {"serve": _serve, "generate": _generate, "models": _models, "train-eagle": _train_eagle}
     if not argv or argv[0] not in commands:
         print(f"usage: plait {{{','.join(commands)}}} [options]", file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])
+
+
+# each command imports what it runs only when it runs: the server's own process never loads torch (its model
+# runs in the scheduler process), train-eagle's does
+def _serve(argv: list[str]) -> int:
+    from plait.launch_server import main
+
+    return main(argv)
+
+
+def _train_eagle(argv: list[str]) -> int:
+    from plait.runtime.speculative.train import main
+
+    return main(argv)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,27 @@ def test_quant_linear_is_batch_invariant(fmt):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f.super_block], ids=lambda f: f.name)
+@pytest.mark.parametrize("rows", [8, 21])
+def test_many_rows_off_the_invariant_path_stay_close(fmt, rows):
+    """Calls that need not be batch-invariant may take a faster path for many rows (bfloat16 dot products on a CPU
+    that has them): within bfloat16's rounding of the exact float product, prologues included."""
+    torch.manual_seed(rows)
+    k = 512
+    raw = random_gguf_blocks(Q[fmt.name.upper()], 70, k)
+    tiled = interleave(from_gguf(torch.from_numpy(raw), fmt.ggml_type), fmt)
+    w, b, norm_w = dequantize(deinterleave(tiled, fmt), fmt), torch.randn(70), torch.rand(k) + 0.5
+    mm = QuantMatmul(tiled, fmt, b)
+    x, gate_up = torch.randn(rows, k), torch.randn(rows, 2 * k)
+
+    def close(ours, exact):
+        assert ((ours - exact).norm() / exact.norm()).item() < 1e-2
+
+    close(mm(x, invariant=False), x @ w.T + b)
+    close(mm.normed(x, norm_w, 1e-5, invariant=False), rms_norm(x, norm_w, 1e-5) @ w.T + b)
+    close(mm.act_mul(gate_up, "gelu_tanh", invariant=False), gelu_mul(gate_up) @ w.T + b)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("rows", [1, 3, 6])
 def test_fused_prologues_equal_the_two_steps(fmt, rows):
@@ -240,6 +261,7 @@ def test_every_isa_level_this_cpu_has_matches_the_reference():
     for level in [lvl for lvl in cpu_isa.supported_levels() if lvl != cpu_isa.selected()]:
         env = {**os.environ, "PLAIT_CPU_ISA": level}
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k",
-                               "builds or matches_reference or invariant or round_trip or load_exactly or prologues or lookup"],
+                               "builds or matches_reference or invariant or round_trip or load_exactly or prologues or "
+                               "lookup or stay_close"],
                               env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
         assert proc.returncode == 0 and " passed" in proc.stdout, f"PLAIT_CPU_ISA={level}:\n{proc.stdout[-3000:]}"

@@ -1,6 +1,9 @@
 """Running one model across ranks: the collectives sharded layers call (group.py), the step rank 0
-broadcasts to the others (step_sync.py), and the process the other ranks run (worker.py)."""
+broadcasts to the others (step_sync.py), and the process the other ranks run (worker.py). Names import on first
+use (the launcher reads worker.py's placement without torch)."""
 
-from plait.runtime.distributed.group import SINGLE, Group, init_group, partition
+from plait.runtime.lazy import lazy_exports
 
-__all__ = ["SINGLE", "Group", "init_group", "partition"]
+_NAMES = {"SINGLE": "group", "Group": "group", "init_group": "group", "partition": "group"}
+__getattr__ = lazy_exports(__name__, _NAMES)
+__all__ = list(_NAMES)

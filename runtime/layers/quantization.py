@@ -11,9 +11,11 @@
 Blocks are llama.cpp's layouts (kernels/cpu_quant.py), so GGUF blocks load straight into the
 kernel's layout; float tensors are quantized when they load; blocks of another format are
 dequantized and requantized. A few-row matmul quantizes its input rows to int16 per block and takes
-exact integer dot products with each block (kernels/quant_linear.c); a many-row matmul (prefill,
-batches above MAX_ROWS) goes to oneDNN with a float copy dequantized once at load, the fastest path
-there, unless --disable-packed-weights.
+exact integer dot products with each block (kernels/quant_linear.c). A many-row matmul (prefill,
+batches above MAX_ROWS) over Q8_0/Q4_1/Q5_0 blocks goes to oneDNN with a float copy dequantized once at
+load, the fastest path there, unless --disable-packed-weights; over the K formats (Q4_K, Q5_K, Q6_K) it stays
+with the kernel, which decodes each weight tile once for all the rows (bfloat16 dot products where the CPU
+has them): a K-quant model is not widened at load, and holds about its file's size.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from plait.kernels.cpu_linear import MAX_ROWS
-from plait.kernels.cpu_quant import (Q4_1, Q8_0, BlockFormat, BlockTensor, dequantize, interleave,
+from plait.kernels.cpu_quant import (Q4_1, Q8_0, BlockFormat, BlockTensor, dequantize, interleave_,
                                      QuantMatmul, quant_rows, quantize)
 from plait.runtime.layers.linear import Linear, LinearMethod, UnquantizedMethod, empty_param, onednn_copy, \
     onednn_linear, packed_dtype
@@ -95,33 +97,35 @@ class BlockQuantizedMethod(LinearMethod):
         layer.qweight.data[row : row + blocks.shape[0]].copy_(blocks)
 
     def finish_loading(self, layer: Linear) -> None:
-        if self.packed:
+        # the K formats' many-row calls decode the blocks tile by tile (kernels/kquant.h): no float copy, so a
+        # Q4_K_M model holds about its file's size
+        if self.packed and not self.fmt.super_block:
             w = dequantize(layer.qweight.data, self.fmt)
             layer.onednn = onednn_copy(w, packed_dtype(torch.bfloat16))
-        layer.qweight.data = interleave(layer.qweight.data, self.fmt)
+        interleave_(layer.qweight.data, self.fmt)
         layer.qmatmul = QuantMatmul(layer.qweight.data, self.fmt, layer.bias)
 
     def apply(self, layer: Linear, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
         if self._onednn(layer, x, batch_invariant):
             return onednn_linear(x, layer.onednn, layer.bias)
-        return layer.qmatmul(x)
+        return layer.qmatmul(x, batch_invariant)
 
     def apply_normed(self, layer: Linear, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
                      batch_invariant: bool) -> torch.Tensor:
         if self._onednn(layer, x, batch_invariant):
             return super().apply_normed(layer, x, norm_w, eps, batch_invariant)
-        return layer.qmatmul.normed(x, norm_w, eps)
+        return layer.qmatmul.normed(x, norm_w, eps, batch_invariant)
 
     def apply_add_normed(self, layer: Linear, x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
                          eps: float, batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if self._onednn(layer, x, batch_invariant):
             return super().apply_add_normed(layer, x, residual, norm_w, eps, batch_invariant)
-        return layer.qmatmul.add_normed(x, residual, norm_w, eps)
+        return layer.qmatmul.add_normed(x, residual, norm_w, eps, batch_invariant)
 
     def apply_act_mul(self, layer: Linear, gate_up: torch.Tensor, act: str, batch_invariant: bool) -> torch.Tensor:
         if self._onednn(layer, gate_up, batch_invariant):
             return super().apply_act_mul(layer, gate_up, act, batch_invariant)
-        return layer.qmatmul.act_mul(gate_up, act)
+        return layer.qmatmul.act_mul(gate_up, act, batch_invariant)
 
     @staticmethod
     def _onednn(layer: Linear, x: torch.Tensor, batch_invariant: bool) -> bool:

@@ -9,7 +9,8 @@ constants), so a type it knows is a type this reader knows; whether plait can se
 loader's question (runtime/model_loader/sources.py), asked of every tensor before any weight is read.
 
 Numeric arrays become numpy arrays without a per-item Python loop; a string array (a vocabulary
-of 262k tokens) is one pass of `struct` reads, ~0.2 s.
+of 262k tokens) is one pass of `struct` reads, ~0.2 s. The header is read through a memory map, tensors with
+plain reads.
 """
 
 from __future__ import annotations
@@ -130,8 +131,8 @@ class GGUFFile:
 
     def __init__(self, path: str):
         self.path = path
-        self._map = np.memmap(path, dtype=np.uint8, mode="r")
-        buf = memoryview(self._map)
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")  # the header only: dropped once it is parsed
+        buf = memoryview(mapped)
         if bytes(buf[:4]) != _MAGIC:
             raise GGUFError(f"{path} is not a GGUF file (magic {bytes(buf[:4])!r})")
         cur = _Cursor(buf)
@@ -155,7 +156,7 @@ class GGUFFile:
         for name, ggml_type, shape, offset in raw:
             nbytes = tensor_nbytes(ggml_type, shape)
             start = self.data_start + offset
-            if start + nbytes > len(self._map):
+            if start + nbytes > len(mapped):
                 raise GGUFError(f"{path}: tensor {name} ({type_name(ggml_type)}, {list(shape)}) runs past the end "
                                 "of the file (a truncated download, or parts joined out of order?)")
             self.tensors.append(TensorInfo(name, ggml_type, shape, start, nbytes))
@@ -169,5 +170,11 @@ class GGUFFile:
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
     def data(self, info: TensorInfo) -> np.ndarray:
-        """The tensor's bytes, in place (read-only)."""
-        return self._map[info.offset : info.offset + info.nbytes]
+        """A copy of the tensor's bytes, read from the file (not through the memory map: mapped pages would count
+        in the process's resident memory until the map is closed, a whole model's worth by the end of a load)."""
+        out = np.empty(info.nbytes, dtype=np.uint8)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(info.offset)
+            if f.readinto(memoryview(out)) != info.nbytes:
+                raise GGUFError(f"{self.path}: tensor {info.name} is cut short")
+        return out

@@ -78,8 +78,6 @@ FALLBACK_TEMPLATES = {"gemma": _GEMMA_TEMPLATE, "gemma2": _GEMMA_TEMPLATE, "gemm
 
 def build_tokenizer(metadata: dict[str, Any]) -> Any:
     """A transformers `PreTrainedTokenizerFast` over the file's vocabulary, special tokens and chat template."""
-    from transformers import PreTrainedTokenizerFast
-
     kind = metadata.get("tokenizer.ggml.model")
     tokens: list[str] = metadata.get("tokenizer.ggml.tokens") or []
     if not tokens:
@@ -98,8 +96,20 @@ def build_tokenizer(metadata: dict[str, Any]) -> Any:
     _post_process(tok, metadata, tokens)
     template = metadata.get("tokenizer.chat_template") or FALLBACK_TEMPLATES.get(
         str(metadata.get("general.architecture")), _CHATML_TEMPLATE)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template,
-                                   **{k: v for k, v in specials.items() if v is not None})
+    return _wrap(tok, chat_template=template, **{k: v for k, v in specials.items() if v is not None})
+
+
+def _wrap(backend: Tokenizer, **kwargs: Any) -> Any:
+    """transformers' tokenizer API around `backend`, which it adopts as it is: given as `tokenizer_object`, it would
+    deep-copy it (~100 MB more for a 150k vocabulary, in every process that loads the tokenizer)."""
+    from transformers import PreTrainedTokenizerFast
+
+    class GGUFTokenizer(PreTrainedTokenizerFast):
+        def __init__(self, **kw: Any):
+            self._tokenizer = backend
+            super().__init__(**kw)
+
+    return GGUFTokenizer(**kwargs)
 
 
 def stop_token_ids(metadata: dict[str, Any]) -> tuple[int, ...]:

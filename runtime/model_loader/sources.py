@@ -6,18 +6,20 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from plait.kernels.cpu_quant import BY_GGML_TYPE, BlockFormat, BlockTensor, from_gguf
+from plait.kernels.cpu_quant import BY_GGML_TYPE, BlockFormat, BlockTensor, dequantize, from_gguf
 from plait.runtime.model_config import ModelConfig
 from plait.runtime.model_loader.gguf_arch import (ROPE_TENSORS, config_from_gguf, hf_name, needs_unpermute,
                                                   norm_shift, unpermute_qk)
 from plait.runtime.model_loader.gguf_file import GGUFFile, TensorInfo
 from plait.runtime.model_loader.gguf_tokenizer import build_tokenizer
+from plait.runtime.model_loader.tokenizer import gguf_file_of
 
 def _served_format(info: TensorInfo) -> BlockFormat | None:
     """The block format plait keeps a GGUF tensor in as stored (matrices in a format the kernels take), else None."""
@@ -25,6 +27,18 @@ def _served_format(info: TensorInfo) -> BlockFormat | None:
 
 
 _FLOATS = {0: np.float32, 1: np.float16}  # F32, F16 (BF16, type 30, is widened by hand)
+
+
+def _bounded_map(fn, items: list, workers: int) -> Iterator:
+    """fn over items in order on a thread pool, at most 2 * workers results ahead of the consumer (Executor.map
+    runs them all at once: every tensor of a model in memory beside the model itself)."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        pending = deque(pool.submit(fn, item) for item in items[: 2 * workers])
+        for item in items[2 * workers :]:
+            yield pending.popleft().result()
+            pending.append(pool.submit(fn, item))
+        while pending:
+            yield pending.popleft().result()
 
 
 def _readable(ggml_type: int) -> bool:
@@ -81,11 +95,14 @@ class GGUFSource:
             name = hf_name(self.arch, info.name)
             fmt = _served_format(info) if keep_blocks else None
             if fmt is not None:  # the blocks as stored, one row of them per weight row
-                t = torch.from_numpy(np.array(raw)).view(info.shape[0], -1)
+                t = torch.from_numpy(raw).view(info.shape[0], -1)
             elif info.ggml_type in _FLOATS:
                 t = torch.from_numpy(np.frombuffer(raw, dtype=_FLOATS[info.ggml_type]).astype(np.float32))
             elif info.ggml_type == 30:  # BF16: widen the raw 16 bits
                 t = torch.from_numpy((np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32))
+            elif len(info.shape) == 2 and info.ggml_type in BY_GGML_TYPE:  # plait's own dequantization: 5-10x faster
+                fmt_of = BY_GGML_TYPE[info.ggml_type]
+                t = dequantize(from_gguf(torch.from_numpy(raw).view(info.shape[0], -1), info.ggml_type), fmt_of)
             else:
                 t = torch.from_numpy(gguf.quants.dequantize(np.asarray(raw), gguf.GGMLQuantizationType(info.ggml_type)))
             if fmt is None:
@@ -101,8 +118,7 @@ class GGUFSource:
 
         # numpy releases the GIL in dequantization: a small pool overlaps tensors
         wanted = [t for t in self.weights if names is None or hf_name(self.arch, t.name) in names]
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            yield from pool.map(load, wanted)
+        yield from _bounded_map(load, wanted, workers=2)
 
     def num_tensors(self) -> int:
         return len(self.weights)
@@ -157,11 +173,9 @@ class HFSource:
 
 
 def open_source(model_path: str) -> GGUFSource | HFSource:
-    if os.path.isfile(model_path) and model_path.endswith(".gguf"):
-        return GGUFSource(model_path)
+    gguf = gguf_file_of(model_path)
+    if gguf is not None:
+        return GGUFSource(gguf)
     if os.path.isdir(model_path):
-        ggufs = glob.glob(os.path.join(model_path, "*.gguf"))
-        if not glob.glob(os.path.join(model_path, "*.safetensors")) and len(ggufs) == 1:
-            return GGUFSource(ggufs[0])
         return HFSource(model_path)
     raise FileNotFoundError(f"model_path {model_path!r} is neither a .gguf file nor a model folder")

@@ -1,6 +1,7 @@
-"""Sampling parameters and the batched sampler."""
+"""Sampling parameters and the batched sampler (names import on first use: the parameters need no torch)."""
 
-from plait.runtime.sampling.params import SamplingParams
-from plait.runtime.sampling.sampler import SampleResult, SampleRow, sample
+from plait.runtime.lazy import lazy_exports
 
-__all__ = ["SamplingParams", "SampleRow", "SampleResult", "sample"]
+_NAMES = {"SamplingParams": "params", "SampleRow": "sampler", "SampleResult": "sampler", "sample": "sampler"}
+__getattr__ = lazy_exports(__name__, _NAMES)
+__all__ = list(_NAMES)

@@ -228,7 +228,7 @@ def train(data: dict, ns) -> EagleHead:
     from plait.runtime.layers.rotary import RotaryEmbedding
     from plait.runtime.model_loader import load_model
 
-    loaded = load_model(data["target"], torch.float32, ns.max_len + 8, load_tokenizer=False, progress=False)
+    loaded = load_model(data["target"], torch.float32, ns.max_len + 8, with_tokenizer=False, progress=False)
     tcfg = loaded.config
     kind = ns.kind
     vocab_ids = _draft_vocab(data["labels"], tcfg.vocab_size, ns.draft_vocab_size) if kind == "EAGLE3" else None
