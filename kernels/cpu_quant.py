@@ -486,7 +486,22 @@ def quant_rows(tiled: torch.Tensor, fmt: BlockFormat, ids: torch.Tensor) -> torc
     return out
 
 
+def dequantize_bf16(tiled: torch.Tensor, fmt: BlockFormat) -> torch.Tensor | None:
+    """A K-format weight in the kernel's layout as bfloat16 [N, K], by the C kernel on a CPU with AVX512-BF16 (for a
+    GEMM library's many-row call), else None."""
+    lib = _library()
+    if lib is None or not fmt.super_block or not tiled.is_contiguous():
+        return None
+    k = tiled.shape[1] // fmt.block_bytes * fmt.block_size
+    out = torch.empty(tiled.shape[0], k, dtype=torch.bfloat16)
+    ok = lib.quant_dequant_bf16(tiled.data_ptr(), tiled.shape[0], k, fmt.code, out.data_ptr(), torch.get_num_threads())
+    return out if ok else None
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    return load_library("quant_linear", quant_linear=(PTR, PTR, PTR, PTR, I64, I64, I64, INT, INT, PTR, F32, PTR, INT, INT),
-                        quant_rows=(PTR, PTR, I64, I64, I64, INT, PTR))
+    lib = load_library("quant_linear", quant_linear=(PTR, PTR, PTR, PTR, I64, I64, I64, INT, INT, PTR, F32, PTR, INT, INT),
+                       quant_rows=(PTR, PTR, I64, I64, I64, INT, PTR), quant_dequant_bf16=(PTR, I64, I64, INT, PTR, INT))
+    if lib is not None:
+        lib.quant_dequant_bf16.restype = ctypes.c_int
+    return lib

@@ -400,8 +400,9 @@ static inline __attribute__((always_inline)) void kmany(const KJob *j, int64_t n
 // call, stream past them with vdpbf16ps into float accumulators: no per-block finishing, so this runs at the
 // speed of a float GEMM (oneDNN's bfloat16 path without its copy of the weights). Its sums round differently from
 // the integer path's: calls that must be batch-invariant never take it.
-static inline __attribute__((always_inline)) void kpair_bf16(const KTileBlock *t, int c, int p, uint16_t *buf,
-                                                             int64_t g, const int fmt) {
+// row c's sub-blocks 2p and 2p + 1 dequantized (d sc q - dmin m) and rounded to bfloat16, stored at dst[0], dst[1]
+static inline __attribute__((always_inline)) void kpair_bf16(const KTileBlock *t, int c, int p, uint16_t *const *dst,
+                                                             const int fmt) {
   const __m512i both = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(t->b[c].qs + 32 * p)));
   __m512i v[2] = {_mm512_and_si512(both, _mm512_set1_epi16(0xF)), _mm512_srli_epi16(both, 4)};
   const float d = half(t->b[c].d);
@@ -431,41 +432,60 @@ static inline __attribute__((always_inline)) void kpair_bf16(const KTileBlock *t
       const __m512 off = _mm512_set1_ps(dmin * (float)((t->mn[c] >> (8 * s)) & 0xFF));
       w0 = _mm512_fmsub_ps(q0, scale, off), w1 = _mm512_fmsub_ps(q1, scale, off);
     }
-    _mm512_storeu_si512((void *)(buf + ((g * 8 + s) * TILE_N + c) * 32), (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+    _mm512_storeu_si512((void *)dst[i], (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
   }
 }
 
+#define KMANY_KC 2048  // input columns per pass: a 4-row tile's bfloat16 chunk (16 KB) stays in L1
+
+// rows [m, m + R) against the dequantized chunk of columns [kc, kc + len); the accumulators carry over chunks in
+// `part` (the first chunk starts them at zero), and the last chunk writes the outputs
 static inline __attribute__((always_inline)) void kmany_bf16_rows(const KJob *j, const uint16_t *xb, int64_t n,
-                                                                  int64_t m, const uint16_t *buf, const int R) {
-  const int64_t chunks = j->k / 32;
+                                                                  int64_t m, const uint16_t *buf, int64_t kc,
+                                                                  int64_t len, float *part, const int R) {
   __m512 acc[KMANY_R][TILE_N];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < TILE_N; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t q = 0; q < chunks; ++q) {
+    for (int c = 0; c < TILE_N; ++c)
+      acc[r][c] = kc == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(part + ((m + r) * TILE_N + c) * 16);
+  for (int64_t q = 0; q < len / 32; ++q) {
     __m512bh x[KMANY_R];
-    for (int r = 0; r < R; ++r) x[r] = (__m512bh)_mm512_loadu_si512((const void *)(xb + (m + r) * j->k + 32 * q));
+    for (int r = 0; r < R; ++r) x[r] = (__m512bh)_mm512_loadu_si512((const void *)(xb + (m + r) * j->k + kc + 32 * q));
     for (int c = 0; c < TILE_N; ++c) {
       const __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(buf + (q * TILE_N + c) * 32));
       for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, x[r]);
     }
   }
+  const int last = kc + len == j->k;
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < TILE_N; ++c)
-      j->y[(m + r) * j->n + n + c] = _mm512_reduce_add_ps(acc[r][c]) + (j->bias ? j->bias[n + c] : 0.f);
+    for (int c = 0; c < TILE_N; ++c) {
+      if (last)
+        j->y[(m + r) * j->n + n + c] = _mm512_reduce_add_ps(acc[r][c]) + (j->bias ? j->bias[n + c] : 0.f);
+      else
+        _mm512_storeu_ps(part + ((m + r) * TILE_N + c) * 16, acc[r][c]);
+    }
 }
 
-// weight rows [n, n + 4) against bfloat16 input rows [m0, m1); scratch holds 4 K bfloat16 weights
+// weight rows [n, n + 4) against bfloat16 input rows [m0, m1), a chunk of KMANY_KC columns at a time: scratch holds
+// the chunk's dequantized weights, `part` each input row's partial sums (rows m0..m1 of it)
 static inline __attribute__((always_inline)) void kmany_bf16(const KJob *j, const uint16_t *xb, int64_t n,
-                                                             int64_t m0, int64_t m1, uint16_t *buf, const int fmt) {
-  for (int64_t g = 0; g < j->k / QKK; ++g) {
-    KTileBlock t;
-    kprep512(j, n, g, &t, fmt);
-    for (int c = 0; c < TILE_N; ++c)
-      for (int p = 0; p < 4; ++p) kpair_bf16(&t, c, p, buf, g, fmt);
+                                                             int64_t m0, int64_t m1, uint16_t *buf, float *part,
+                                                             const int fmt) {
+  for (int64_t kc = 0; kc < j->k; kc += KMANY_KC) {
+    const int64_t len = j->k - kc < KMANY_KC ? j->k - kc : KMANY_KC;
+    for (int64_t g = kc / QKK; g < (kc + len) / QKK; ++g) {
+      KTileBlock t;
+      kprep512(j, n, g, &t, fmt);
+      const int64_t gl = g - kc / QKK;  // the block's place in the chunk
+      for (int c = 0; c < TILE_N; ++c)
+        for (int p = 0; p < 4; ++p) {
+          uint16_t *dst[2] = {buf + ((gl * 8 + 2 * p) * TILE_N + c) * 32, buf + ((gl * 8 + 2 * p + 1) * TILE_N + c) * 32};
+          kpair_bf16(&t, c, p, dst, fmt);
+        }
+    }
+    int64_t m = m0;
+    for (; m + KMANY_R <= m1; m += KMANY_R) kmany_bf16_rows(j, xb, n, m, buf, kc, len, part, KMANY_R);
+    for (; m < m1; ++m) kmany_bf16_rows(j, xb, n, m, buf, kc, len, part, 1);
   }
-  int64_t m = m0;
-  for (; m + KMANY_R <= m1; m += KMANY_R) kmany_bf16_rows(j, xb, n, m, buf, KMANY_R);
-  for (; m < m1; ++m) kmany_bf16_rows(j, xb, n, m, buf, 1);
 }
 
 // a weight row past the last whole tile against bfloat16 input rows [m0, m1): its floats, one dot per input row
@@ -476,6 +496,36 @@ static void kmany_bf16_tail(const KJob *j, const uint16_t *xb, int64_t row, int6
     float s = 0.f;
     for (int64_t i = 0; i < j->k; ++i) s += bf16_to_f32(xb[m * j->k + i]) * wrow[i];
     j->y[m * j->n + row] = s + (j->bias ? j->bias[row] : 0.f);
+  }
+}
+// the whole weight as bfloat16 rows [n, k] (for a GEMM library's many-row call; rows past the last whole tile
+// through their floats)
+static void kdequant_bf16(const uint8_t *w, int64_t n, int64_t k, const int fmt, uint16_t *out, int threads) {
+  const KJob j = {NULL, NULL, NULL, NULL, w, NULL, 0, n, k};
+  const int64_t n4 = n / TILE_N * TILE_N;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t nn = 0; nn < n4; nn += TILE_N)
+      for (int64_t g = 0; g < k / QKK; ++g) {
+        KTileBlock t;
+        kprep512(&j, nn, g, &t, fmt);
+        for (int c = 0; c < TILE_N; ++c)
+          for (int p = 0; p < 4; ++p) {
+            uint16_t *row = out + (nn + c) * k + g * QKK + 64 * p;
+            uint16_t *dst[2] = {row, row + 32};
+            kpair_bf16(&t, c, p, dst, fmt);
+          }
+      }
+#pragma omp single
+    {
+      float *wrow = (float *)malloc((size_t)k * sizeof(float));
+      for (int64_t row = n4; row < n && wrow; ++row) {
+        kquant_rows(w, &row, 1, n, k, fmt, wrow);
+        for (int64_t i = 0; i < k; ++i) out[row * k + i] = f32_to_bf16(wrow[i]);
+      }
+      free(wrow);
+    }
   }
 }
 #define KMANY_BF16 1

@@ -360,8 +360,10 @@ static void kquant_linear_bf16(float *x, const void *w, const float *bias, float
   block = block < KMANY_R ? KMANY_R : block;
 #pragma omp parallel num_threads(threads)
   {
-    uint16_t *buf = (uint16_t *)malloc((size_t)(TILE_N * k * 2 + k * (int64_t)sizeof(float)));
-    float *wrow = (float *)(buf + TILE_N * k);
+    // a chunk's dequantized tile, a weight row's floats (rows past the last tile), each input row's partial sums
+    const int64_t kc = k < KMANY_KC ? k : KMANY_KC;
+    uint16_t *buf = (uint16_t *)malloc((size_t)(TILE_N * kc * 2 + (k + m * TILE_N * 16) * (int64_t)sizeof(float)));
+    float *wrow = (float *)(buf + TILE_N * kc), *part = wrow + k;
     for (int64_t m0 = 0; m0 < m; m0 += block) {
       const int64_t m1 = m0 + block < m ? m0 + block : m;
 #pragma omp for schedule(dynamic, 1)
@@ -371,11 +373,11 @@ static void kquant_linear_bf16(float *x, const void *w, const float *bias, float
           if (nn + TILE_N > stop) {
             for (int64_t row_ = nn; row_ < stop; ++row_) kmany_bf16_tail(&j, xb, row_, m0, m1, wrow, fmt);
           } else if (fmt == Q4_K) {
-            kmany_bf16(&j, xb, nn, m0, m1, buf, Q4_K);
+            kmany_bf16(&j, xb, nn, m0, m1, buf, part, Q4_K);
           } else if (fmt == Q5_K) {
-            kmany_bf16(&j, xb, nn, m0, m1, buf, Q5_K);
+            kmany_bf16(&j, xb, nn, m0, m1, buf, part, Q5_K);
           } else {
-            kmany_bf16(&j, xb, nn, m0, m1, buf, Q6_K);
+            kmany_bf16(&j, xb, nn, m0, m1, buf, part, Q6_K);
           }
         }
       }
@@ -475,6 +477,23 @@ void quant_linear(float *x, const void *w, const float *bias, float *y, int64_t 
     }
   }
   free(buf);
+}
+
+// The whole K-format weight as bfloat16 rows [n, k] into out; returns 0 where this build cannot (no AVX512-BF16, or
+// another format).
+int quant_dequant_bf16(const void *w, int64_t n, int64_t k, int fmt, uint16_t *out, int threads) {
+#ifdef KMANY_BF16
+  if (fmt < Q4_K) return 0;
+  switch (fmt) {
+    case Q4_K: kdequant_bf16((const uint8_t *)w, n, k, Q4_K, out, threads); break;
+    case Q5_K: kdequant_bf16((const uint8_t *)w, n, k, Q5_K, out, threads); break;
+    default: kdequant_bf16((const uint8_t *)w, n, k, Q6_K, out, threads); break;
+  }
+  return 1;
+#else
+  (void)w, (void)n, (void)k, (void)fmt, (void)out, (void)threads;
+  return 0;
+#endif
 }
 
 // out[i] = the float weights of row ids[i] (an embedding lookup): as cpu_quant.dequantize computes them

@@ -99,6 +99,37 @@ def test_many_rows_off_the_invariant_path_stay_close(fmt, rows):
     close(mm.act_mul(gate_up, "gelu_tanh", invariant=False), gelu_mul(gate_up) @ w.T + b)
 
 
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f.super_block], ids=lambda f: f.name)
+def test_many_row_layers_dequantize_for_a_gemm(fmt):
+    """A K-format layer's calls of many rows (not batch-invariant) run a bfloat16 GEMM over the weight dequantized for
+    the call, a panel of rows at a time, where the CPU has AVX512-BF16: the weight is the blocks' own to bfloat16's
+    rounding, and the product the float product to ~1e-2; invariant calls keep the exact kernel."""
+    from plait.runtime.layers.linear import Linear
+    from plait.runtime.layers.quantization import GEMM_ROWS, BlockQuantizedMethod
+
+    from plait.kernels.cpu_quant import BlockTensor, dequantize_bf16
+
+    torch.manual_seed(5)
+    rows, k = 4 * 700 + 2, 512  # more rows than one panel, and two past the last whole tile
+    raw = random_gguf_blocks(Q[fmt.name.upper()], rows, k)
+    blocks = from_gguf(torch.from_numpy(raw), fmt.ggml_type)
+    w = dequantize(blocks, fmt)
+    layer = Linear(k, {"": rows}, True, BlockQuantizedMethod(fmt))
+    layer.weight_loader(BlockTensor(blocks, fmt, (rows, k)))
+    layer.bias_loader(torch.randn(rows))
+    layer.finish_loading()
+    bf16 = dequantize_bf16(layer.qweight.data, fmt)
+    assert (bf16 is not None) == (cpu_isa.selected() == "avx512_bf16")
+    if bf16 is not None:
+        torch.testing.assert_close(bf16.float(), w, rtol=2 ** -7, atol=1e-6)
+    x = torch.randn(GEMM_ROWS + 3, k)
+    exact = x @ w.T + layer.bias
+    fast = layer(x)
+    assert ((fast - exact).norm() / exact.norm()).item() < 1e-2
+    invariant = layer(x, batch_invariant=True)
+    assert torch.equal(invariant, quant_linear(x, layer.qweight.data, fmt, layer.bias))
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("rows", [1, 3, 6])
 def test_fused_prologues_equal_the_two_steps(fmt, rows):
@@ -262,6 +293,6 @@ def test_every_isa_level_this_cpu_has_matches_the_reference():
         env = {**os.environ, "PLAIT_CPU_ISA": level}
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k",
                                "builds or matches_reference or invariant or round_trip or load_exactly or prologues or "
-                               "lookup or stay_close"],
+                               "lookup or stay_close or gemm"],
                               env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
         assert proc.returncode == 0 and " passed" in proc.stdout, f"PLAIT_CPU_ISA={level}:\n{proc.stdout[-3000:]}"

@@ -23,14 +23,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from plait.kernels.cpu_linear import MAX_ROWS
-from plait.kernels.cpu_quant import (Q4_1, Q8_0, BlockFormat, BlockTensor, dequantize, interleave_,
+from plait.kernels.cpu_quant import (Q4_1, Q8_0, BlockFormat, BlockTensor, dequantize, dequantize_bf16, interleave_,
                                      QuantMatmul, quant_rows, quantize)
 from plait.runtime.layers.linear import Linear, LinearMethod, UnquantizedMethod, empty_param, onednn_copy, \
     onednn_linear, packed_dtype
 
 QUANTIZATIONS = ("none", "auto", "int8", "int4")
+# rows from which a K-format matmul dequantizes its weight to bfloat16 for oneDNN's GEMM (fewer: the kernel's own
+# many-row path, which decodes tile by tile)
+GEMM_ROWS = 64
+_PANEL_BYTES = 8 << 20  # bfloat16 weights dequantized at a time: well inside the L3 cache
 
 
 class MixedMethod(LinearMethod):
@@ -88,6 +93,7 @@ class BlockQuantizedMethod(LinearMethod):
         # plain blocks while loading; interleaved into the kernel's layout by finish_loading
         layer.qweight = empty_param(layer.out_features, self.fmt.row_bytes(layer.in_features), dtype=torch.uint8)
         layer.onednn = layer.qmatmul = None
+        layer.gemm = False
 
     def load_rows(self, layer: Linear, row: int, tensor: torch.Tensor | BlockTensor) -> None:
         if isinstance(tensor, BlockTensor) and tensor.fmt is self.fmt:
@@ -97,18 +103,37 @@ class BlockQuantizedMethod(LinearMethod):
         layer.qweight.data[row : row + blocks.shape[0]].copy_(blocks)
 
     def finish_loading(self, layer: Linear) -> None:
-        # the K formats' many-row calls decode the blocks tile by tile (kernels/kquant.h): no float copy, so a
-        # Q4_K_M model holds about its file's size
+        # no lasting float copy of the K formats (a Q4_K_M model holds about its file's size): their many-row
+        # calls dequantize the weight for the call (`_gemm_weight`)
         if self.packed and not self.fmt.super_block:
             w = dequantize(layer.qweight.data, self.fmt)
             layer.onednn = onednn_copy(w, packed_dtype(torch.bfloat16))
         interleave_(layer.qweight.data, self.fmt)
         layer.qmatmul = QuantMatmul(layer.qweight.data, self.fmt, layer.bias)
+        layer.gemm = self.packed and self.fmt.super_block and packed_dtype(torch.bfloat16) is torch.bfloat16
 
     def apply(self, layer: Linear, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
         if self._onednn(layer, x, batch_invariant):
-            return onednn_linear(x, layer.onednn, layer.bias)
+            if layer.onednn is not None:
+                return onednn_linear(x, layer.onednn, layer.bias)
+            return self._gemm(layer, x)
         return layer.qmatmul(x, batch_invariant)
+
+    def _gemm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """A K-format matmul of many rows: the weight dequantized to bfloat16 for this call, a panel of rows at a
+        time (each panel stays in cache for the GEMM that reads it), then oneDNN's bfloat16 GEMM: about as fast
+        as over a lasting copy, without its memory."""
+        xb, tiled = x.to(torch.bfloat16), layer.qweight.data
+        rows = max(4, _PANEL_BYTES // (2 * x.shape[1]) // 4 * 4)  # whole 4-row tiles
+        parts = []
+        for start in range(0, tiled.shape[0], rows):
+            w = dequantize_bf16(tiled[start : start + rows], self.fmt)
+            if w is None:  # this build has no bfloat16 path after all
+                layer.gemm = False
+                return layer.qmatmul(x, False)
+            parts.append(F.linear(xb, w))
+        y = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).float()
+        return y if layer.bias is None else y + layer.bias
 
     def apply_normed(self, layer: Linear, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
                      batch_invariant: bool) -> torch.Tensor:
@@ -129,7 +154,9 @@ class BlockQuantizedMethod(LinearMethod):
 
     @staticmethod
     def _onednn(layer: Linear, x: torch.Tensor, batch_invariant: bool) -> bool:
-        return layer.onednn is not None and x.shape[0] > MAX_ROWS and not batch_invariant and x.dim() == 2
+        if batch_invariant or x.dim() != 2:
+            return False
+        return (layer.onednn is not None and x.shape[0] > MAX_ROWS) or (layer.gemm and x.shape[0] >= GEMM_ROWS)
 
     def rows(self, layer: Linear, ids: torch.Tensor) -> torch.Tensor:
         return quant_rows(layer.qweight, self.fmt, ids)

@@ -233,19 +233,22 @@ _M_MMAP_THRESHOLD = -3
 
 
 def _map_large_allocations() -> None:
-    """Allocations from 8 MB up get pages of their own, returned to the system when freed. glibc's default moves
-    that threshold up to 32 MB as large blocks are freed, so the copies a load makes (a weight's bytes, its
-    repacked blocks) stay in the heap after it: ~400 MB of peak memory for a 1.5B model."""
+    """While loading: allocations from 8 MB up get pages of their own, returned to the system when freed. glibc's
+    default moves that threshold up to 32 MB as large blocks are freed, so the copies a load makes (a weight's
+    bytes, its repacked blocks) stay in the heap after it: ~400 MB of peak memory for a 1.5B model."""
     lib = _libc()
     if lib is not None:
         lib.mallopt(_M_MMAP_THRESHOLD, 8 << 20)
 
 
 def _release_freed_memory() -> None:
-    """Hand the heap's free pages back to the system."""
+    """After loading: hand the heap's free pages back to the system, then keep every later allocation in the heap.
+    A step's activations and the weight panels dequantized for a GEMM are allocated again every step; pages of
+    their own would be faulted in again every step (15 ms of a 55 MB dequantized weight's 16)."""
     lib = _libc()
     if lib is not None:
         lib.malloc_trim(0)
+        lib.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
 
 
 def tree_depths(parents: list[int]) -> list[int]:
