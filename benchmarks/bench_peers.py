@@ -563,12 +563,16 @@ def bound_lines(results: dict, gguf: str, bandwidth: float, threads: int) -> lis
 
 def plait_memory(server: Server, gguf: str) -> str:
     """plait's peak resident memory over all its processes, against its KV pool and the file's size."""
+    info = httpx.get(server.url + "/server_info", timeout=10).json()
     peak = tree_peak_rss(server.proc.pid)  # the server's process and the runtime's, its children
+    parts = {name: tree_peak_rss(pid) for name, pid in info["pids"].items() if name != "server"}
+    parts["http server"] = peak - sum(parts.values())
     kv = kv_pool_bytes(server.url, gguf)
     size = os.path.getsize(gguf)
-    return (f"**plait's memory**: peak resident {peak / 1e9:.2f} GB over its processes (sum of each one's peak), of "
-            f"which its KV pool is {kv / 1e9:.2f} GB; the rest, {(peak - kv) / 1e9:.2f} GB, is "
-            f"{(peak - kv) / size:.2f}x the file's {size / 1e9:.2f} GB")
+    each = ", ".join(f"{name} {b / 1e9:.2f}" for name, b in parts.items())
+    return (f"**plait's memory**: peak resident {peak / 1e9:.2f} GB over its processes (sum of each one's peak, GB: "
+            f"{each}; the scheduler's includes its grammar compile worker), of which its KV pool is {kv / 1e9:.2f} GB; "
+            f"the rest, {(peak - kv) / 1e9:.2f} GB, is {(peak - kv) / size:.2f}x the file's {size / 1e9:.2f} GB")
 
 
 # ---- main -----------------------------------------------------------------------------------
@@ -662,7 +666,8 @@ def main() -> None:
     text = "\n".join(lines)
     print("\n" + text)
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "peers.md"), "w") as f:
+    name = "peers.md" if ns.model == "default" else f"peers-{os.path.splitext(os.path.basename(gguf))[0]}.md"
+    with open(os.path.join(RESULTS, name), "w") as f:
         f.write(text + "\n")
 
 
