@@ -487,10 +487,10 @@ def quant_rows(tiled: torch.Tensor, fmt: BlockFormat, ids: torch.Tensor) -> torc
 
 
 def dequantize_bf16(tiled: torch.Tensor, fmt: BlockFormat) -> torch.Tensor | None:
-    """A K-format weight in the kernel's layout as bfloat16 [N, K], by the C kernel on a CPU with AVX512-BF16 (for a
-    GEMM library's many-row call), else None."""
+    """A weight in the kernel's layout as bfloat16 [N, K] (for a GEMM library's many-row call), by the C kernel: any
+    format on a CPU with AVX512-BF16, Q8_0 / Q4_1 / Q5_0 on any; else None."""
     lib = _library()
-    if lib is None or not fmt.super_block or not tiled.is_contiguous():
+    if lib is None or not tiled.is_contiguous():
         return None
     k = tiled.shape[1] // fmt.block_bytes * fmt.block_size
     out = torch.empty(tiled.shape[0], k, dtype=torch.bfloat16)

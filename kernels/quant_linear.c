@@ -479,19 +479,67 @@ void quant_linear(float *x, const void *w, const float *bias, float *y, int64_t 
   free(buf);
 }
 
-// The whole K-format weight as bfloat16 rows [n, k] into out; returns 0 where this build cannot (no AVX512-BF16, or
-// another format).
+// block b's 32 weights as floats (as cpu_quant.dequantize computes them)
+static inline __attribute__((always_inline)) void block_floats(Block b, const int fmt, float *o) {
+  const float d = half(b.d);
+  if (fmt == Q8_0) {
+    for (int e = 0; e < QK; ++e) o[e] = (float)(int8_t)b.q[e] * d;
+  } else if (fmt == Q5_0) {
+    const uint32_t hi = load_u32(b.m);
+    for (int e = 0; e < QK; ++e)
+      o[e] = (float)((e < 16 ? b.q[e] & 0xF : b.q[e - 16] >> 4) + (int)((hi >> e) & 1) * 16 - 16) * d;
+  } else {
+    const float mn = half(b.m);
+    for (int e = 0; e < QK; ++e) o[e] = fmaf((float)(e < 16 ? b.q[e] & 0xF : b.q[e - 16] >> 4), d, mn);
+  }
+}
+
+// block b's 32 weights as bfloat16, rounded to nearest even as f32_to_bf16 rounds
+static inline __attribute__((always_inline)) void block_bf16(Block b, const int fmt, uint16_t *o) {
+#if defined(__AVX512BF16__)
+  const __m512i w = block_ints512(b.q, b.m, fmt);
+  const __m512 d = _mm512_set1_ps(half(b.d)), mn = _mm512_set1_ps(fmt == Q4_1 ? half(b.m) : 0.f);
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w, 1)));
+  _mm512_storeu_si512((void *)o, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, d, mn), _mm512_fmadd_ps(lo, d, mn)));
+#else
+  float v[QK];
+  block_floats(b, fmt, v);
+  for (int e = 0; e < QK; ++e) o[e] = f32_to_bf16(v[e]);
+#endif
+}
+
+// a Q8_0 / Q4_1 / Q5_0 weight in the kernel's layout as bfloat16 rows [n, k]: the tiles split between threads
+static void ldequant_bf16(const uint8_t *w, int64_t n, int64_t k, const int fmt, uint16_t *out, int threads) {
+  const int64_t tiles = (n + TILE_N - 1) / TILE_N, n4 = n / TILE_N * TILE_N;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t g = 0; g < k / QK; ++g)
+      for (int c = 0; c < TILE_N && t * TILE_N + c < n; ++c) {
+        const int64_t row = t * TILE_N + c;
+        block_bf16(block_in(w, k, row < n4 ? t * TILE_N : row, row < n4, row < n4 ? c : 0, g, fmt), fmt,
+                   out + row * k + g * QK);
+      }
+}
+
+// The whole weight as bfloat16 rows [n, k] into out (for a GEMM library's many-row call); returns 0 where this
+// build cannot (a K format without AVX512-BF16).
 int quant_dequant_bf16(const void *w, int64_t n, int64_t k, int fmt, uint16_t *out, int threads) {
-#ifdef KMANY_BF16
-  if (fmt < Q4_K) return 0;
+  const uint8_t *b = (const uint8_t *)w;
   switch (fmt) {
-    case Q4_K: kdequant_bf16((const uint8_t *)w, n, k, Q4_K, out, threads); break;
-    case Q5_K: kdequant_bf16((const uint8_t *)w, n, k, Q5_K, out, threads); break;
-    default: kdequant_bf16((const uint8_t *)w, n, k, Q6_K, out, threads); break;
+    case Q8_0: ldequant_bf16(b, n, k, Q8_0, out, threads); return 1;
+    case Q4_1: ldequant_bf16(b, n, k, Q4_1, out, threads); return 1;
+    case Q5_0: ldequant_bf16(b, n, k, Q5_0, out, threads); return 1;
+    default: break;
+  }
+#ifdef KMANY_BF16
+  switch (fmt) {
+    case Q4_K: kdequant_bf16(b, n, k, Q4_K, out, threads); break;
+    case Q5_K: kdequant_bf16(b, n, k, Q5_K, out, threads); break;
+    default: kdequant_bf16(b, n, k, Q6_K, out, threads); break;
   }
   return 1;
 #else
-  (void)w, (void)n, (void)k, (void)fmt, (void)out, (void)threads;
   return 0;
 #endif
 }
@@ -507,17 +555,7 @@ void quant_rows(const void *w, const int64_t *ids, int64_t count, int64_t n, int
     const int64_t row = ids[i], tile0 = row < n4 ? row / TILE_N * TILE_N : row;
     for (int64_t g = 0; g < k / QK; ++g) {
       const Block b = block_in((const uint8_t *)w, k, tile0, row < n4, (int)(row - tile0), g, fmt);
-      const float d = half(b.d), mn = fmt == Q4_1 ? half(b.m) : 0.f;
-      float *o = out + i * k + g * QK;
-      for (int e = 0; e < QK; ++e) {
-        const int nib = e < 16 ? b.q[e] & 0xF : b.q[e - 16] >> 4;
-        if (fmt == Q8_0)
-          o[e] = (float)(int8_t)b.q[e] * d;
-        else if (fmt == Q5_0)
-          o[e] = (float)(nib + (int)((load_u32(b.m) >> e) & 1) * 16 - 16) * d;
-        else
-          o[e] = fmaf((float)nib, d, mn);
-      }
+      block_floats(b, fmt, out + i * k + g * QK);
     }
   }
 }

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from plait.kernels.cpu_linear import MAX_ROWS
-from plait.kernels.cpu_quant import (Q4_1, Q8_0, BlockFormat, BlockTensor, dequantize, dequantize_bf16, interleave_,
-                                     QuantMatmul, quant_rows, quantize)
+from plait.kernels.cpu_quant import (Q4_1, Q8_0, BlockFormat, BlockTensor, QuantMatmul, deinterleave, dequantize,
+                                     dequantize_bf16, interleave_, quant_rows, quantize)
 from plait.runtime.layers.linear import Linear, LinearMethod, UnquantizedMethod, empty_param, onednn_copy, \
     onednn_linear, packed_dtype
 
@@ -105,12 +105,17 @@ class BlockQuantizedMethod(LinearMethod):
     def finish_loading(self, layer: Linear) -> None:
         # no lasting float copy of the K formats (a Q4_K_M model holds about its file's size): their many-row
         # calls dequantize the weight for the call (`_gemm_weight`)
-        if self.packed and not self.fmt.super_block:
-            w = dequantize(layer.qweight.data, self.fmt)
-            layer.onednn = onednn_copy(w, packed_dtype(torch.bfloat16))
         interleave_(layer.qweight.data, self.fmt)
+        if self.packed and not self.fmt.super_block:
+            layer.onednn = onednn_copy(self._float_weight(layer.qweight.data), packed_dtype(torch.bfloat16))
         layer.qmatmul = QuantMatmul(layer.qweight.data, self.fmt, layer.bias)
         layer.gemm = self.packed and self.fmt.super_block and packed_dtype(torch.bfloat16) is torch.bfloat16
+
+    def _float_weight(self, tiled: torch.Tensor) -> torch.Tensor:
+        """The weight for its float copy: straight to bfloat16 where the copy is bfloat16 (half the memory of a float32
+        step between), else float32."""
+        w = dequantize_bf16(tiled, self.fmt) if packed_dtype(torch.bfloat16) is torch.bfloat16 else None
+        return w if w is not None else dequantize(deinterleave(tiled, self.fmt), self.fmt)
 
     def apply(self, layer: Linear, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
         if self._onednn(layer, x, batch_invariant):
