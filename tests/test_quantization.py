@@ -125,6 +125,8 @@ def test_many_row_layers_dequantize_for_a_gemm(fmt):
     assert (bf16 is not None) == (level == "avx512_bf16" or (level != "ref" and not fmt.super_block))
     if bf16 is not None:
         torch.testing.assert_close(bf16.float(), w, rtol=2 ** -7, atol=1e-6)
+        if not fmt.super_block:  # the float copy made from it is exactly the float weights rounded
+            assert torch.equal(bf16, w.to(torch.bfloat16))
     x = torch.randn(GEMM_ROWS + 3, k)
     exact = x @ w.T + layer.bias
     fast = layer(x)
