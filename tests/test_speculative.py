@@ -220,10 +220,10 @@ def _close(a, b) -> bool:
 
 
 def test_speculative_flags_are_validated():
-    from plait.runtime.server_args import ServerArgs
+    from plait.runtime.server_args import ServerArgs, default_model_path
 
     with pytest.raises(ValueError, match="needs --speculative-draft-model-path"):
-        ServerArgs(model_path="/x.gguf", speculative_algorithm="EAGLE3").resolved()
+        ServerArgs(model_path=default_model_path(), speculative_algorithm="EAGLE3").resolved()
     with pytest.raises(ValueError, match="speculative_draft_model_path needs"):
         ServerArgs(speculative_draft_model_path="/x")
     with pytest.raises(ValueError, match="speculative_eagle_topk"):

@@ -10,8 +10,9 @@ from typing import Any
 
 
 def gguf_file_of(model_path: str) -> str | None:
-    """The GGUF file a model path names: the file itself, or a folder's one .gguf beside no safetensors."""
-    if os.path.isfile(model_path) and model_path.endswith(".gguf"):
+    """The GGUF file a model path names: the file itself (whatever its name: the reader checks its magic), or a
+    folder's one .gguf beside no safetensors."""
+    if os.path.isfile(model_path):
         return model_path
     if os.path.isdir(model_path):
         ggufs = glob.glob(os.path.join(model_path, "*.gguf"))
