@@ -58,8 +58,11 @@ def _group_attention(
         # one request with nothing cached: causal SDPA over its new K/V, read back as stored (rounded to
         # the pool's dtype) so they are the keys every later step of this request sees
         qh = q.view(num_tokens, num_kv, per_kv, head_dim).permute(1, 2, 0, 3)
-        k_new = pool.k[layer].index_select(1, new_slots).to(q.dtype).unsqueeze(1)
-        v_new = pool.v[layer].index_select(1, new_slots).to(q.dtype).unsqueeze(1)
+        # expanded to every query head of the group, not broadcast: torch's fused CPU kernel takes equal head
+        # counts (a broadcast falls back to its math path, twice as slow at 512 tokens)
+        shape = (num_kv, per_kv, num_tokens, head_dim)
+        k_new = pool.k[layer].index_select(1, new_slots).to(q.dtype).unsqueeze(1).expand(shape)
+        v_new = pool.v[layer].index_select(1, new_slots).to(q.dtype).unsqueeze(1).expand(shape)
         o = F.scaled_dot_product_attention(qh, k_new, v_new, is_causal=True, scale=scale)
         return o.permute(2, 0, 1, 3).reshape(num_tokens, num_heads * head_dim)
     if g.prefix_slots is None:
