@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -374,6 +373,7 @@ def _check_model_path(model_path: str | None) -> None:
     if not model_path:
         return
     from plait.runtime.model_loader.packaged import CATALOG, cached_path
+    from plait.runtime.model_loader.tokenizer import gguf_file_of
 
     if model_path in CATALOG:
         if not cached_path(model_path).is_file():
@@ -381,8 +381,7 @@ def _check_model_path(model_path: str | None) -> None:
                              f"`plait models fetch {model_path}`")
         return
     if os.path.isdir(model_path):
-        if not os.path.isfile(os.path.join(model_path, "config.json")) and \
-                len(glob.glob(os.path.join(model_path, "*.gguf"))) != 1:
+        if not os.path.isfile(os.path.join(model_path, "config.json")) and gguf_file_of(model_path) is None:
             raise ValueError(f"model_path {model_path!r} is a folder with no config.json and not one .gguf file")
         return  # the loader names any tensor or file missing
     if not os.path.isfile(model_path):

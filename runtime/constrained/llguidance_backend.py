@@ -75,8 +75,7 @@ class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
-        import llguidance
-        import llguidance.hf
+        import llguidance.hf  # binds llguidance too
 
         # n_vocab: the model's rows (may exceed the tokenizer's), so masks have the bitmask's width
         backend = getattr(tokenizer, "backend_tokenizer", None)

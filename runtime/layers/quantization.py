@@ -104,7 +104,7 @@ class BlockQuantizedMethod(LinearMethod):
 
     def finish_loading(self, layer: Linear) -> None:
         # no lasting float copy of the K formats (a Q4_K_M model holds about its file's size): their many-row
-        # calls dequantize the weight for the call (`_gemm_weight`)
+        # calls dequantize the weight for the call (`_gemm`)
         interleave_(layer.qweight.data, self.fmt)
         if self.packed and not self.fmt.super_block:
             layer.onednn = onednn_copy(self._float_weight(layer.qweight.data), packed_dtype(torch.bfloat16))
