@@ -16,11 +16,13 @@ class NoCache:
         self.root = TreeNode(None, [], _EMPTY, 0)
         self.evictable_size = 0
         self.protected_size = 0
+        self.window_evictable = 0
 
     def reset(self) -> None:
         pass
 
-    def match_prefix(self, key: list[int], count: bool = False, joins: tuple[str, ...] = ()) -> MatchResult:
+    def match_prefix(self, key: list[int], count: bool = False, joins: tuple[str, ...] = (),
+                     window: int = 0) -> MatchResult:
         return MatchResult(_EMPTY, self.root)
 
     def insert(self, key: list[int], value: torch.Tensor, joins: tuple[str, ...] = ()) -> int:
@@ -34,6 +36,18 @@ class NoCache:
         pass
 
     def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def evict_window(self, num_tokens: int) -> int:
+        return 0
+
+    def lock_window(self, node: TreeNode, window: int) -> int:
+        return 0
+
+    def unlock_window(self, node: TreeNode, covered: int) -> None:
+        pass
+
+    def window_held(self) -> int:
         return 0
 
     def stats(self) -> CacheStats:

@@ -12,6 +12,13 @@ Invariants (checked by `check()`):
   joined positions). It is filed under `(join, first page)`, so only a walk that names the join
   enters it; everything below it is reachable only through it. Requests that name no join never
   see such KV, so the tree stays exact for them.
+
+With a `WindowedKVAllocator` (a model with sliding-window layers) a node's tokens may have lost their window slots
+(released behind a request's window, or by `evict_window`). Then also:
+- `window_live` is the number of the node's tokens that still have one; `window_lock` counts the requests whose
+  window covers the node (lock_window), so window_lock <= lock_ref;
+- `window_evictable` is the window_live total of nodes with window_lock == 0;
+- a match taken with `window` ends where the `window` tokens before its end all have their window slots.
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ from typing import NamedTuple
 
 import torch
 
-from plait.radix_cache.memory_pool import KVAllocator
+from plait.radix_cache.memory_pool import KVAllocator, WindowedKVAllocator
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "join")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "join", "window_live",
+                 "window_lock")
 
     def __init__(self, parent: "TreeNode | None", key: list[int], value: torch.Tensor, tick: int, join: str = ""):
         self.children: dict = {}
@@ -38,6 +46,8 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = tick
         self.join = join  # "" for causal KV; a join id for a join edge
+        self.window_live = 0
+        self.window_lock = 0
 
     def __lt__(self, other: "TreeNode") -> bool:  # heap order for LRU eviction
         return self.last_access < other.last_access
@@ -61,6 +71,19 @@ class CacheStats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
+def intact_prefix(live: torch.Tensor, window: int, page_size: int) -> int:
+    """The longest page-aligned length m <= len(live) whose last `window` tokens are all live (0 if none)."""
+    n = live.numel()
+    if bool(live[max(0, n - window) :].all()):
+        return n
+    pos = torch.arange(n)
+    last_dead = torch.cummax(torch.where(live, -1, pos), 0).values  # the last dead token at or before each one
+    ends = pos + 1
+    ok = (last_dead < (ends - window).clamp(min=0)) & (ends % page_size == 0)
+    good = torch.nonzero(ok)
+    return int(good[-1]) + 1 if good.numel() else 0
+
+
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -76,6 +99,7 @@ class RadixCache:
     def __init__(self, allocator: KVAllocator, page_size: int = 1):
         self.allocator = allocator
         self.page_size = page_size
+        self.windowed = isinstance(allocator, WindowedKVAllocator)
         self.reset()
 
     # ---- public interface -------------------------------------------------------------
@@ -85,15 +109,22 @@ class RadixCache:
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size = 0
         self.protected_size = 0
+        self.window_evictable = 0
         self.hit_tokens = 0
         self.query_tokens = 0
 
-    def match_prefix(self, key: list[int], count: bool = False, joins: tuple[str, ...] = ()) -> MatchResult:
-        """Longest cached page-aligned prefix of `key`, entering the join edges named in `joins`.
-        Splits a node so the match ends on a node."""
+    def match_prefix(self, key: list[int], count: bool = False, joins: tuple[str, ...] = (),
+                     window: int = 0) -> MatchResult:
+        """Longest cached page-aligned prefix of `key`, entering the join edges named in `joins`; with `window`,
+        the longest whose last `window` tokens have their window slots. Splits a node so the match ends on a node."""
         key = self._aligned(key)
-        node, values = self._walk(key, split=True, joins=joins)
-        indices = torch.cat(values) if values else _EMPTY
+        node, path = self._walk(key, split=True, joins=joins)
+        indices = torch.cat([n.value for n in path]) if path else _EMPTY
+        if window and self.windowed and len(indices):
+            usable = intact_prefix(self.allocator.window_live(indices), window, self.page_size)
+            if usable < len(indices):
+                node, _ = self._walk(key[:usable], split=True, joins=joins)
+                indices = indices[:usable]
         if count:
             self.hit_tokens += len(indices)
             self.query_tokens += len(key)
@@ -105,8 +136,10 @@ class RadixCache:
         caller's to free. The rest now belong to the tree."""
         key = self._aligned(key)
         value = value[: len(key)]
-        node, values = self._walk(key, split=True, joins=joins)
-        matched = sum(len(v) for v in values)
+        node, path = self._walk(key, split=True, joins=joins)
+        matched = sum(len(n.key) for n in path)
+        if self.windowed and matched:
+            self._take_windows(path, value[:matched])
         if matched < len(key):
             self._add_child(node, key[matched:], value[matched:].clone(), "")
         return matched
@@ -148,11 +181,59 @@ class RadixCache:
             self.allocator.free(leaf.value)
             freed += len(leaf.key)
             self.evictable_size -= len(leaf.key)
+            self.window_evictable -= leaf.window_live
             parent = leaf.parent
             del parent.children[self._filed_key(leaf)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         return freed
+
+    def evict_window(self, num_tokens: int) -> int:
+        """Free at least num_tokens window slots (or all there are) from the least recently used nodes no request's
+        window covers; their full KV stays (a longer prefix that still has its window can use it)."""
+        if not self.windowed:
+            return 0
+        nodes = sorted(n for n in self._nodes() if n.window_live and not n.window_lock and n is not self.root)
+        freed = 0
+        for node in nodes:
+            if freed >= num_tokens:
+                break
+            self.allocator.release_window(node.value)
+            freed += node.window_live
+            self.window_evictable -= node.window_live
+            node.window_live = 0
+        return freed
+
+    def lock_window(self, node: TreeNode, window: int) -> int:
+        """Keep the window slots of the last `window` tokens up to `node` (a request's window over its cached
+        prefix); a node is cut so the lock covers no more than that, rounded up to a page. Returns the tokens
+        covered, for unlock_window: splits add node boundaries and never remove one, so the same count finds
+        the same nodes later."""
+        if not self.windowed:
+            return 0
+        covered = 0
+        while node is not self.root and covered < window:
+            over = covered + len(node.key) - window
+            over -= over % self.page_size
+            if over > 0:  # only the node's last tokens are in the window: cut them off
+                self._split(node, over)
+            if node.window_lock == 0:
+                self.window_evictable -= node.window_live
+            node.window_lock += 1
+            covered += len(node.key)
+            node = node.parent
+        return covered
+
+    def unlock_window(self, node: TreeNode, covered: int) -> None:
+        done = 0
+        while done < covered:
+            node.window_lock -= 1
+            if node.window_lock < 0:
+                raise RuntimeError("radix cache: unlock_window without matching lock_window")
+            if node.window_lock == 0:
+                self.window_evictable += node.window_live
+            done += len(node.key)
+            node = node.parent
 
     def stats(self) -> CacheStats:
         return CacheStats(
@@ -166,7 +247,7 @@ class RadixCache:
     def check(self) -> None:
         """Assert every invariant in the module docstring."""
         seen: set[int] = set()
-        evictable = protected = 0
+        evictable = protected = window_evictable = 0
         for node in self._nodes():
             if node is self.root:
                 continue
@@ -180,12 +261,21 @@ class RadixCache:
             slots = node.value.tolist()
             assert not seen.intersection(slots), "slot owned by two nodes"
             seen.update(slots)
+            if self.windowed:
+                assert node.window_live == int(self.allocator.window_live(node.value).sum()), "window_live count"
+                assert 0 <= node.window_lock <= node.lock_ref, "window lock outside the request's lock"
+                window_evictable += 0 if node.window_lock else node.window_live
             if node.lock_ref:
                 protected += len(node.key)
             else:
                 evictable += len(node.key)
         assert evictable == self.evictable_size, f"evictable {evictable} != {self.evictable_size}"
         assert protected == self.protected_size, f"protected {protected} != {self.protected_size}"
+        assert window_evictable == self.window_evictable, f"window {window_evictable} != {self.window_evictable}"
+
+    def window_held(self) -> int:
+        """Window slots the tree holds."""
+        return sum(n.window_live for n in self._nodes())
 
     # ---- internals --------------------------------------------------------------------
     def _next_tick(self) -> int:
@@ -209,10 +299,31 @@ class RadixCache:
         child = TreeNode(node, key, value, self._next_tick(), join)
         node.children[self._filed_key(child)] = child
         self.evictable_size += len(key)
+        if self.windowed:
+            child.window_live = int(self.allocator.window_live(value).sum())
+            self.window_evictable += child.window_live
         return child
 
-    def _walk(self, key: list[int], split: bool, joins: tuple[str, ...] = ()) -> tuple[TreeNode, list[torch.Tensor]]:
-        node, values, pos = self.root, [], 0
+    def _take_windows(self, path: list[TreeNode], value: torch.Tensor) -> None:
+        """Where a cached token lost its window slot and the caller's copy of it (being inserted, a duplicate)
+        still has one, the tree takes the caller's: a prefix whose window was released is whole again."""
+        window_of = self.allocator.window_of
+        pos = 0
+        for node in path:
+            mine = value[pos : pos + len(node.key)]
+            pos += len(node.key)
+            take = (window_of[node.value] == 0) & (window_of[mine] != 0) & (mine != node.value)
+            n = int(take.sum())
+            if n:
+                window_of[node.value[take]] = window_of[mine[take]]
+                window_of[mine[take]] = 0
+                node.window_live += n
+                if not node.window_lock:
+                    self.window_evictable += n
+
+    def _walk(self, key: list[int], split: bool, joins: tuple[str, ...] = ()) -> tuple[TreeNode, list[TreeNode]]:
+        """The deepest node matching `key` and the nodes on the way to it (root excluded)."""
+        node, path, pos = self.root, [], 0
         tick = self._next_tick()
         node.last_access = tick
         while pos < len(key):
@@ -233,16 +344,20 @@ class RadixCache:
                     break
                 child = self._split(child, n)
             child.last_access = tick
-            values.append(child.value)
+            path.append(child)
             pos += n
             node = child
-        return node, values
+        return node, path
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child` after n tokens; returns the new upper node."""
         # the upper part takes the child's place (and its join edge); the lower part hangs below it
         upper = TreeNode(child.parent, child.key[:n], child.value[:n].clone(), child.last_access, child.join)
         upper.lock_ref = child.lock_ref
+        upper.window_lock = child.window_lock  # a window lock covers whole nodes: both parts
+        if self.windowed:
+            upper.window_live = int(self.allocator.window_live(upper.value).sum())
+            child.window_live -= upper.window_live
         upper.parent.children[self._filed_key(upper)] = upper
         child.key = child.key[n:]
         child.value = child.value[n:].clone()

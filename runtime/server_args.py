@@ -48,6 +48,10 @@ class ServerArgs:
     max_total_tokens: int | None = _arg(None, "KV pool size in tokens; default: from --mem-fraction-static")
     mem_fraction_static: float = _arg(0.15, "fraction of free memory given to the KV pool when its size is auto")
     page_size: int = _arg(1, "tokens per KV page")
+    swa_full_tokens_ratio: float = _arg(0.5, "slots of sliding-window layers' KV as a share of the pool's tokens "
+                                        "(at least twice the window plus a prefill chunk)")
+    disable_hybrid_swa_memory: bool = _arg(False, "keep every token's KV in sliding-window layers too, not only "
+                                           "their window")
     max_running_requests: int = _arg(64, "max requests decoding at once")
     chunked_prefill_size: int = _arg(512, "max prompt tokens of one request per forward (-1 disables chunking)")
     max_prefill_tokens: int = _arg(2048, "token budget of one prefill forward")
@@ -150,6 +154,8 @@ class ServerArgs:
         _check_model_path(self.model_path)
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if not 0 < self.mem_fraction_static < 1:

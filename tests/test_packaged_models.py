@@ -4,7 +4,8 @@ GGUF file (float32, its own reader, dequantization and name mapping: an independ
 - Gemma-3-270M (Q4_K_M: Q5_0, Q4_K, Q6_K and Q8_0 tensors; sliding-window layers, GeGLU, q/k norms, a 262k
   vocabulary, no chat template in the file) and Qwen2.5-Coder-0.5B-Instruct (Q4_K_M; qkv bias, its own chat
   template): logits in float32 equal transformers' to 1e-3, across chunked prefill and past the sliding window;
-  greedy output through the real server equal to transformers' generate; the file's own blocks (the default)
+  greedy output through the real server equal to transformers' generate (for Gemma also on a prompt longer than
+  its window, computed and then from the cache, its sliding layers keeping only their window); the file's own blocks (the default)
   choose the float32 model's next token almost everywhere.
 - Qwen2.5-Coder-1.5B-Instruct (Q4_K/Q6_K, 1.1 GB): the same, in `make test-slow`.
 """
@@ -121,8 +122,26 @@ def _check_model(name: str, prompts: list[str]) -> None:
                 assert body["usage"]["prompt_tokens"] == len(prompt_ids)
                 text = tok.decode([t for t in want if t not in stops], skip_special_tokens=True)
                 assert body["choices"][0]["message"]["content"] == text, (q, want)
+            if ref_model.config.sliding_window and ref_model.config.sliding_window < n:
+                _check_past_the_window(http, ref_model, ids, stops)
     finally:
         server.stop()
+
+
+def _check_past_the_window(http, ref_model, ids: list[int], stops: list[int]) -> None:
+    """A prompt longer than the sliding window, twice (the second from the cache): transformers' greedy continuation
+    both times, with the sliding-window layers keeping only their window."""
+    info = http.get("/server_info").json()
+    assert 0 < info["kv_window_capacity"] < info["kv_capacity"], info
+    with torch.no_grad():
+        gen = ref_model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=stops,
+                                 pad_token_id=stops[0])
+    want = [t for t in gen[0, len(ids):].tolist() if t not in stops]
+    for _ in range(2):
+        r = http.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 24, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        assert [t for t in r.json()["output_ids"] if t not in stops] == want
+    assert r.json()["meta_info"]["cached_tokens"] > len(ids) - 16
 
 
 def test_gemma3_270m_matches_transformers():

@@ -54,6 +54,7 @@ class Forward(msgspec.Struct, tag="forward", array_like=True):
     logits_rows: Tensor
     batch_invariant: bool
     capture: list[int]
+    windowed: "Forward | None" = None  # the batch in the window slot space (sliding-window layers)
 
 
 class CopyKV(msgspec.Struct, tag="copy_kv", array_like=True):
@@ -96,12 +97,14 @@ def _attn(g: AttnMsg | None) -> AttnGroup | None:
 
 def forward_msg(fb: ForwardBatch, capture: tuple[int, ...]) -> Forward:
     return Forward(fb.mode.value, Tensor.of(fb.input_ids), Tensor.of(fb.positions), Tensor.of(fb.out_slots),
-                   _group(fb.extend), _group(fb.decode), Tensor.of(fb.logits_rows), fb.batch_invariant, list(capture))
+                   _group(fb.extend), _group(fb.decode), Tensor.of(fb.logits_rows), fb.batch_invariant, list(capture),
+                   None if fb.windowed is None else forward_msg(fb.windowed, capture))
 
 
 def forward_batch(msg: Forward) -> ForwardBatch:
     return ForwardBatch(ForwardMode(msg.mode), msg.input_ids.get(), msg.positions.get(), msg.out_slots.get(),
-                        _attn(msg.extend), _attn(msg.decode), msg.logits_rows.get(), msg.batch_invariant)
+                        _attn(msg.extend), _attn(msg.decode), msg.logits_rows.get(), msg.batch_invariant,
+                        None if msg.windowed is None else forward_batch(msg.windowed))
 
 
 def send(group: Group, step: Step) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 
@@ -60,10 +61,24 @@ class ForwardBatch:
     # every kernel sums in an order fixed per row (--enable-deterministic-inference): a row's result
     # is then the same whatever shares its batch and wherever its cached prefix ends
     batch_invariant: bool = False
+    # the same batch in the window slot space (memory_pool.WindowedKVAllocator), which sliding-window layers read
+    # and write; None when they share the full slots
+    windowed: "ForwardBatch | None" = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+    def in_slots(self, slot_map: torch.Tensor) -> "ForwardBatch":
+        """This batch with every KV slot s read as slot_map[s]."""
+        def group(g: AttnGroup | None) -> AttnGroup | None:
+            if g is None:
+                return None
+            prefix = None if g.prefix_slots is None else slot_map[g.prefix_slots]
+            return dataclasses.replace(g, kv_slots=slot_map[g.kv_slots], prefix_slots=prefix)
+
+        return dataclasses.replace(self, out_slots=slot_map[self.out_slots], extend=group(self.extend),
+                                   decode=group(self.decode), windowed=None)
 
     @contextlib.contextmanager
     def active(self):

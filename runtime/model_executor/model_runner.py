@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from plait.kernels.cpu_build import loaded_kernels
-from plait.radix_cache.memory_pool import KVAllocator, KVPool, ReqToTokenPool
+from plait.radix_cache.memory_pool import KVAllocator, KVPool, ReqToTokenPool, WindowedKVAllocator
 from plait.runtime.distributed import step_sync
 from plait.runtime.distributed.group import SINGLE, Group
 from plait.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode, build_group
 from plait.runtime.model_executor.threads import ThreadGovernor, apply
+from plait.runtime.model_config import SLIDING
 from plait.runtime.model_loader import load_model
 from plait.runtime.server_args import ServerArgs
 
@@ -71,30 +72,51 @@ class ModelRunner:
         cfg = self.config
         # the cascade split's shared-prefix pass knows no window and no score cap (runtime/layers/attention.py)
         self.cascade = not self.batch_invariant and not cfg.has_sliding_window and not cfg.attn_softcap
+        # sliding-window layers keep their window only, in slots of their own (memory_pool.WindowedKVAllocator)
+        self.window_layers = frozenset(
+            i for i in range(cfg.num_layers) if cfg.layer_type(i) == SLIDING
+        ) if (cfg.has_sliding_window and cfg.sliding_window < self.context_length
+              and not args.disable_hybrid_swa_memory) else frozenset()
+        self.kv_window = cfg.sliding_window if self.window_layers else 0
         num_slots = args.max_total_tokens or self._auto_kv_tokens()
         # every rank's pool has the same slots (rank 0 hands out slot numbers): the smallest any rank can hold
         num_slots = group.min_int(max(num_slots, 2 * args.page_size))
-        self.kv_pool = KVPool(num_slots, cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.kv_dtype)
-        self.allocator = KVAllocator(num_slots, args.page_size)
+        num_window = group.min_int(self._window_slots(num_slots)) if self.window_layers else 0
+        self.kv_pool = KVPool(num_slots, cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.kv_dtype,
+                              window_layers=self.window_layers, num_window_slots=num_window)
+        self.allocator = (WindowedKVAllocator(num_slots, args.page_size, num_window) if self.window_layers
+                          else KVAllocator(num_slots, args.page_size))
         # a few spare rows: retracted and chunked requests hold rows beside the running ones
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_length + 1)
-        logger.info("KV pool: %d tokens (%.0f MiB)", self.allocator.capacity, self._kv_bytes(num_slots) / 2**20)
+        logger.info("KV pool: %d tokens%s (%.0f MiB)", self.allocator.capacity,
+                    f", sliding-window layers {num_window} (window {self.kv_window})" if num_window else "",
+                    self._kv_bytes(num_slots, num_window) / 2**20)
         _release_freed_memory()
         logger.info("dtype %s, weights %s, KV %s%s; CPU kernels: %s", args.dtype, "+".join(self.weight_formats),
                     self.kv_dtype, ", batch-invariant" *
                     self.batch_invariant, ", ".join(f"{k} {v}" for k, v in self.kernels.items()))
 
-    def _kv_bytes(self, tokens: int) -> int:
+    def _kv_bytes(self, tokens: float, window_tokens: float = 0) -> float:
         cfg = self.config
-        return tokens * KVPool.bytes_per_token(cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.kv_dtype)
+        per_layer = KVPool.bytes_per_token(1, self.num_kv_heads, cfg.head_dim, self.kv_dtype)
+        windowed = len(self.window_layers)
+        return per_layer * (tokens * (cfg.num_layers - windowed) + window_tokens * windowed)
+
+    def _window_slots(self, num_slots: int) -> int:
+        """Slots of the sliding-window layers: the configured share of the pool, but room for two requests'
+        windows and a prefill chunk (a request that fits the pool fits them), and no more than the pool."""
+        args = self.args
+        chunk = min(args.max_prefill_tokens, args.chunked_prefill_size if args.chunked_prefill_size > 0 else 1 << 30)
+        wanted = max(int(num_slots * args.swa_full_tokens_ratio), 2 * self.kv_window + chunk)
+        return min(wanted, num_slots)
 
     def _auto_kv_tokens(self) -> int:
         try:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):
             avail = 8 * 2**30
-        per_token = self._kv_bytes(1)
-        tokens = int(avail * self.args.mem_fraction_static) // per_token
+        per_token = self._kv_bytes(1, self.args.swa_full_tokens_ratio if self.window_layers else 0)
+        tokens = int(avail * self.args.mem_fraction_static / per_token)
         # no more than every running request at full context needs
         return max(1024, min(tokens, self.args.max_running_requests * self.context_length))
 
@@ -214,6 +236,8 @@ class ModelRunner:
             logits_rows=torch.tensor(logit_rows, dtype=torch.int64),
             batch_invariant=self.batch_invariant,
         )
+        if self.window_layers:
+            fb.windowed = fb.in_slots(self.allocator.window_of)
         # logits come out grouped; a stable sort by item index restores the callers' order
         order = None
         if ext and dec and item_of_row:

@@ -186,6 +186,8 @@ class DecoderLayer(nn.Module):
                 ) -> torch.Tensor:
         """One layer; `rope` holds the batch's (cos, sin) per layer type."""
         fb = current_batch()
+        if self.window and fb.windowed is not None:  # this layer's K/V live in the window slots
+            fb = fb.windowed
         cos, sin = rope.get(self.layer_type, rope[FULL])
         t, inv = x.shape[0], fb.batch_invariant
         qkv = self.qkv_proj.forward_normed(x, self.input_norm, self.eps, inv)

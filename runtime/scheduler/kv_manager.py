@@ -1,4 +1,10 @@
-"""KVManager: request rows, slot allocation and the prefix cache, kept consistent together."""
+"""KVManager: request rows, slot allocation and the prefix cache, kept consistent together.
+
+With sliding-window layers kept to their window (`window` > 0, a WindowedKVAllocator): a request holds window slots
+for its last `window` tokens only. Those of its own tokens that fall behind are released as it runs; those of its
+cached prefix are locked in the tree for as long as it holds that prefix (lock_window), and a prefix is taken from
+the cache only as far as its window is intact.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from plait.radix_cache import KVAllocator, NoCache, RadixCache, ReqToTokenPool
+from plait.radix_cache.memory_pool import WindowedKVAllocator
 from plait.runtime.scheduler.req import Req
 
 
@@ -17,9 +24,15 @@ class JoinResult(NamedTuple):
     reused: int = 0  # its tokens whose KV came from the cache (all of them when ok)
 
 
+# window slots behind a request's window are released in runs of at least this many (not one call per token)
+_RELEASE_RUN = 16
+
+
 class KVManager:
-    def __init__(self, allocator: KVAllocator, req_to_token: ReqToTokenPool, use_cache: bool):
+    def __init__(self, allocator: KVAllocator, req_to_token: ReqToTokenPool, use_cache: bool, window: int = 0):
         self.allocator = allocator
+        # the sliding window whose slots are released behind it; 0 when sliding layers keep every token
+        self.window = window if isinstance(allocator, WindowedKVAllocator) else 0
         self.req_to_token = req_to_token
         self.page_size = allocator.page_size
         self.use_cache = use_cache
@@ -33,9 +46,16 @@ class KVManager:
         """Slots obtainable now: free ones plus what eviction can reclaim."""
         return self.allocator.free_slots + self.cache.evictable_size
 
+    def window_room(self) -> int:
+        """Window slots obtainable now (free, or held by the cache outside every request's window)."""
+        if not self.window:
+            return 1 << 62
+        return self.allocator.window.free_slots + self.cache.window_evictable
+
     def match_len(self, req: Req) -> int:
         """How many tokens admission would take from the cache (for lpm ordering)."""
-        return min(len(self.cache.match_prefix(req.fill_ids, joins=req.kv_joins).indices), req.max_prefix_match())
+        match = self.cache.match_prefix(req.fill_ids, joins=req.kv_joins, window=self.window)
+        return min(len(match.indices), req.max_prefix_match())
 
     def admit(self, req: Req) -> bool:
         """Give the request a row and its cached prefix. False if no row is free."""
@@ -44,10 +64,12 @@ class KVManager:
             return False
         limit = req.max_prefix_match()
         limit -= limit % self.page_size
-        match = self.cache.match_prefix(req.fill_ids[:limit], count=True, joins=req.kv_joins)
+        match = self.cache.match_prefix(req.fill_ids[:limit], count=True, joins=req.kv_joins, window=self.window)
         m = len(match.indices)
         self.table[row, :m] = match.indices
         self.cache.lock(match.node)
+        req.window_covered = self.cache.lock_window(match.node, self.window)
+        req.window_released = m
         req.row, req.last_node = row, match.node
         req.cached_len = req.tree_len = req.alloc_len = m
         if req.cached_tokens < 0:  # first admission: report the prompt's cache hit (not a resume's)
@@ -57,11 +79,15 @@ class KVManager:
     def reserve(self, req: Req, n: int) -> bool:
         """Ensure slots for the next n tokens (from cached_len); evicts cache if short."""
         need = req.cached_len + n - req.alloc_len
+        if self.window:
+            self._release_behind_window(req, eager=need > self.allocator.window.free_slots)
         if need <= 0:
             return True
         shortfall = need + self.page_size - self.allocator.free_slots
         if shortfall > 0:
             self.cache.evict(shortfall)
+        if self.window and need > self.allocator.window.free_slots:
+            self.cache.evict_window(need - self.allocator.window.free_slots)
         last_slot = int(self.table[req.row, req.alloc_len - 1]) if req.alloc_len else -1
         slots = self.allocator.alloc_extend(last_slot, req.alloc_len, need)
         if slots is None:
@@ -85,8 +111,10 @@ class KVManager:
         match = self.cache.match_prefix(key, joins=req.kv_joins)
         self.table[req.row, :aligned] = match.indices
         self.cache.lock(match.node)
+        covered = self.cache.lock_window(match.node, self.window)
+        self.cache.unlock_window(req.last_node, req.window_covered)
         self.cache.unlock(req.last_node)
-        req.last_node, req.tree_len = match.node, aligned
+        req.last_node, req.tree_len, req.window_covered = match.node, aligned, covered
 
     def release(self, req: Req) -> None:
         """Cache what the request computed, free the rest and its row."""
@@ -95,10 +123,20 @@ class KVManager:
         self.cache_prefix(req)
         own = self.table[req.row, req.tree_len : req.alloc_len]
         self.allocator.free(own.clone())
+        self.cache.unlock_window(req.last_node, req.window_covered)
         self.cache.unlock(req.last_node)
         self.req_to_token.free(req.row)
         req.row, req.last_node = None, None
-        req.cached_len = req.tree_len = req.alloc_len = 0
+        req.cached_len = req.tree_len = req.alloc_len = req.window_covered = req.window_released = 0
+
+    def _release_behind_window(self, req: Req, eager: bool) -> None:
+        """Release the window slots of the request's own tokens (not the tree's) that no later token sees: in runs,
+        or all of them at once when window slots are short."""
+        start = max(req.window_released, req.tree_len)
+        end = req.cached_len - self.window
+        if end - start >= (1 if eager else _RELEASE_RUN):
+            self.allocator.release_window(self.table[req.row, start:end])
+            req.window_released = end
 
     def join(self, parts: list[list[int]], fork_len: int, joins: tuple[str, ...], join_id: str,
              copy_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]) -> JoinResult:
@@ -109,6 +147,8 @@ class KVManager:
         by `shift` positions) and filed under a join edge, so only requests naming `join_id` use it."""
         if not self.use_cache or self.page_size != 1:
             return JoinResult(False, "needs the radix cache with page size 1")
+        if self.window:
+            return JoinResult(False, "not for a model whose sliding-window layers keep only their window")
         if not parts or any(p[:fork_len] != parts[0][:fork_len] for p in parts) or fork_len < 1:
             return JoinResult(False, "the parts do not share the fork prefix")
         matches = [self.cache.match_prefix(p, joins=joins) for p in parts]
@@ -161,6 +201,10 @@ class KVManager:
         if self.allocator.free_slots + stats.total_tokens != self.allocator.capacity:
             return (f"leaked KV: {self.allocator.free_slots} free + {stats.total_tokens} cached != "
                     f"{self.allocator.capacity} slots")
+        if self.window:
+            window, held = self.allocator.window, self.cache.window_held()
+            if window.free_slots + held != window.capacity:
+                return f"leaked window KV: {window.free_slots} free + {held} cached != {window.capacity} slots"
         rows = self.req_to_token.table.shape[0]
         if self.req_to_token.available != rows:
             return f"{rows - self.req_to_token.available} request rows are still held"

@@ -72,7 +72,7 @@ class Scheduler:
         self.runner = runner
         self.emit = emit
         self.tokenizer = runner.tokenizer
-        self.kv = KVManager(runner.allocator, runner.req_to_token, not args.disable_radix_cache)
+        self.kv = KVManager(runner.allocator, runner.req_to_token, not args.disable_radix_cache, runner.kv_window)
         self.context_length = runner.context_length
         eos = set(runner.config.eos_token_ids)
         if runner.tokenizer is not None and runner.tokenizer.eos_token_id is not None:
@@ -225,6 +225,8 @@ class Scheduler:
             future = min(req.remaining_tokens(), 4096) * self.new_token_ratio
             if self.kv.available() - reserved < n + future and self.running:
                 break  # keep room for what running requests will still generate
+            if self.kv.window_room() < n + self.kv.window and self.running:
+                break
             if not self.kv.admit(req):
                 break
             n = min(req.pending_len, chunk_cap, budget)
@@ -492,6 +494,9 @@ class Scheduler:
             "num_waiting": len(self.waiting),
             "kv_capacity": self.runner.allocator.capacity,
             "kv_free": self.runner.allocator.free_slots,
+            # the sliding-window layers' slots (0 when they keep every token's KV)
+            "kv_window_capacity": self.runner.allocator.window.capacity if self.kv.window else 0,
+            "kv_window_free": self.runner.allocator.window.free_slots if self.kv.window else 0,
             "cache_tokens": cache.total_tokens,
             "cache_evictable": cache.evictable_tokens,
             "cache_protected": cache.protected_tokens,
