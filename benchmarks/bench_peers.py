@@ -230,11 +230,13 @@ def tree_peak_rss(pid: int) -> int:
 
 
 def kv_pool_bytes(url: str, gguf: str) -> int:
-    """plait's KV pool: its capacity in tokens (/server_info) times the bytes a token's K and V take (bfloat16,
-    the default on this CPU, or float32)."""
+    """plait's KV pool: the bytes /server_info reports, or (a server without that figure) its capacity in tokens
+    times the bytes a token's K and V take (bfloat16, the default on this CPU, or float32)."""
     from plait.runtime.model_loader.gguf_file import GGUFFile
 
     info = httpx.get(url + "/server_info", timeout=10).json()
+    if "kv_bytes" in info:
+        return info["kv_bytes"]
     tokens = info.get("kv_capacity") or info["limits"]["kv_capacity"]
     f = GGUFFile(gguf)
     heads, kv = int(f.arch_key("attention.head_count")), int(f.arch_key("attention.head_count_kv"))

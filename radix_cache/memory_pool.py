@@ -184,6 +184,7 @@ class KVPool:
         self.v = [torch.zeros((num_kv_heads, n, v_dim), dtype=dtype, device=device) for n in sizes]
         self.num_slots = num_slots
         self.window_layers = window_layers
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -171,3 +171,22 @@ def test_window_only_kv_gives_the_outputs_of_a_pool_that_keeps_every_token(tiny_
         assert sched.kv.check() is None
     assert got == want
     assert sched.kv.cache.stats().hit_tokens > 0
+
+
+def test_a_windowed_batch_crosses_the_wire_to_other_ranks(tiny_gemma3):
+    """Tensor-parallel ranks run what rank 0 sends: the window slots travel with the batch."""
+    from plait.runtime.distributed import step_sync
+    from plait.runtime.model_executor.model_runner import WorkItem
+
+    runner = _scheduler(tiny_gemma3, max_total_tokens=256).runner
+    row = runner.req_to_token.alloc()
+    slots = runner.allocator.alloc_extend(-1, 0, 20)
+    runner.req_to_token.table[row, :20] = slots
+    runner.allocator.release_window(slots[:4])
+    fb, _ = runner.build_batch([WorkItem(row, 0, list(range(2, 22)), [19])])
+    assert torch.equal(fb.windowed.out_slots, runner.allocator.window_of[slots])
+    msg = step_sync._DEC.decode(step_sync._ENC.encode(step_sync.forward_msg(fb, ())))
+    got = step_sync.forward_batch(msg)
+    assert torch.equal(got.windowed.out_slots, fb.windowed.out_slots)
+    assert torch.equal(got.windowed.extend.kv_slots, fb.windowed.extend.kv_slots)
+    assert torch.equal(got.out_slots, fb.out_slots) and got.windowed.windowed is None

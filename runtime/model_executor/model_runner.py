@@ -90,17 +90,18 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_length + 1)
         logger.info("KV pool: %d tokens%s (%.0f MiB)", self.allocator.capacity,
                     f", sliding-window layers {num_window} (window {self.kv_window})" if num_window else "",
-                    self._kv_bytes(num_slots, num_window) / 2**20)
+                    self.kv_pool.nbytes / 2**20)
         _release_freed_memory()
         logger.info("dtype %s, weights %s, KV %s%s; CPU kernels: %s", args.dtype, "+".join(self.weight_formats),
                     self.kv_dtype, ", batch-invariant" *
                     self.batch_invariant, ", ".join(f"{k} {v}" for k, v in self.kernels.items()))
 
-    def _kv_bytes(self, tokens: float, window_tokens: float = 0) -> float:
+    def _kv_bytes_per_token(self) -> float:
+        """A token's K and V over all layers; a sliding-window layer's counted at its share of window slots."""
         cfg = self.config
         per_layer = KVPool.bytes_per_token(1, self.num_kv_heads, cfg.head_dim, self.kv_dtype)
         windowed = len(self.window_layers)
-        return per_layer * (tokens * (cfg.num_layers - windowed) + window_tokens * windowed)
+        return per_layer * (cfg.num_layers - windowed + windowed * self.args.swa_full_tokens_ratio)
 
     def _window_slots(self, num_slots: int) -> int:
         """Slots of the sliding-window layers: the configured share of the pool, but room for two requests'
@@ -115,8 +116,7 @@ class ModelRunner:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):
             avail = 8 * 2**30
-        per_token = self._kv_bytes(1, self.args.swa_full_tokens_ratio if self.window_layers else 0)
-        tokens = int(avail * self.args.mem_fraction_static / per_token)
+        tokens = int(avail * self.args.mem_fraction_static / self._kv_bytes_per_token())
         # no more than every running request at full context needs
         return max(1024, min(tokens, self.args.max_running_requests * self.context_length))
 

@@ -87,7 +87,8 @@ class KVManager:
         if shortfall > 0:
             self.cache.evict(shortfall)
         if self.window and need > self.allocator.window.free_slots:
-            self.cache.evict_window(need - self.allocator.window.free_slots)
+            # a run at a time: each call walks the whole tree
+            self.cache.evict_window(max(need - self.allocator.window.free_slots, _RELEASE_RUN))
         last_slot = int(self.table[req.row, req.alloc_len - 1]) if req.alloc_len else -1
         slots = self.allocator.alloc_extend(last_slot, req.alloc_len, need)
         if slots is None:

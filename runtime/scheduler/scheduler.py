@@ -494,6 +494,7 @@ class Scheduler:
             "num_waiting": len(self.waiting),
             "kv_capacity": self.runner.allocator.capacity,
             "kv_free": self.runner.allocator.free_slots,
+            "kv_bytes": self.runner.kv_pool.nbytes,
             # the sliding-window layers' slots (0 when they keep every token's KV)
             "kv_window_capacity": self.runner.allocator.window.capacity if self.kv.window else 0,
             "kv_window_free": self.runner.allocator.window.free_slots if self.kv.window else 0,
