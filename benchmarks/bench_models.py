@@ -23,7 +23,7 @@ import time
 
 from bench_peers import _decode_speed, cpu_name, decode_weight_bytes, read_bandwidth
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from report import save_results
 DEFAULT_MODELS = "default,gemma-3-270m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b"
 
 
@@ -92,9 +92,7 @@ def main() -> None:
                      f"{100 * mean / r['bound']:.0f}% | {r['peak_rss'] / 1e9:.2f} GB | {r['load']:.1f} |")
     text = "\n".join(lines)
     print("\n" + text)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "models.md"), "w") as f:
-        f.write(text + "\n")
+    save_results("models.md", text)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
+from report import RESULTS  # noqa: E402
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}  # dense, from the data sheets
 
 

@@ -22,7 +22,7 @@ import time
 import torch
 from workloads import chat_prompts, few_shot_workload
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from report import save_results
 
 
 # ---- runners ------------------------------------------------------------------------------
@@ -175,9 +175,7 @@ def main() -> None:
     table = "\n".join(lines)
     print("\n" + table)
     if set(wl) >= {"a", "b", "c"} and not ns.skip_baseline:  # partial runs never replace the full table
-        os.makedirs(RESULTS, exist_ok=True)
-        with open(os.path.join(RESULTS, "offline.md"), "w") as f:
-            f.write(table + "\n")
+        save_results("offline.md", table)
 
 
 if __name__ == "__main__":

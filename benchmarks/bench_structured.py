@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
+from report import save_results  # noqa: E402
 CORPUS = os.path.join(HERE, "..", "tests", "data", "schemas", "corpus.jsonl")
 
 # a long but bounded JSON output: 24 short strings
@@ -312,9 +312,7 @@ def main() -> None:
     table = "\n".join(lines)
     print("\n" + table)
     if not args.no_save and not args.skip_compile and not args.only_compile:
-        os.makedirs(RESULTS, exist_ok=True)
-        with open(os.path.join(RESULTS, "structured.md"), "w") as f:
-            f.write(table + "\n")
+        save_results("structured.md", table)
 
 
 if __name__ == "__main__":

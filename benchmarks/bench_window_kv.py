@@ -19,7 +19,7 @@ import time
 
 from bench_peers import cpu_name
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from report import save_results
 _TEXT = ("The committee met on a grey morning to review the harbour accounts, the state of the lighthouse, the new "
          "ferry timetable and the long list of complaints about the market square. ")
 
@@ -111,9 +111,7 @@ def main() -> None:
                      f"{walls} | {tok_s:.1f} | {retracted} | {max(r['load'] for r in rs):.1f} |")
     text = "\n".join(lines)
     print("\n" + text)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "window_kv.md"), "w") as f:
-        f.write(text + "\n")
+    save_results("window_kv.md", text)
 
 
 if __name__ == "__main__":
