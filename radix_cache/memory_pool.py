@@ -156,6 +156,10 @@ class WindowedKVAllocator(KVAllocator):
         """Whether each full slot still has its window slot."""
         return self.window_of[slots] != 0
 
+    def window_count(self, slots: torch.Tensor) -> int:
+        """How many of these full slots still have their window slot."""
+        return int(self.window_live(slots).sum())
+
 
 class KVPool:
     """Per-layer K and V buffers of shape [num_kv_heads, num_slots, head_dim]: head-major, so the keys

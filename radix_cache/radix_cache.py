@@ -262,7 +262,7 @@ class RadixCache:
             assert not seen.intersection(slots), "slot owned by two nodes"
             seen.update(slots)
             if self.windowed:
-                assert node.window_live == int(self.allocator.window_live(node.value).sum()), "window_live count"
+                assert node.window_live == self.allocator.window_count(node.value), "window_live count"
                 assert 0 <= node.window_lock <= node.lock_ref, "window lock outside the request's lock"
                 window_evictable += 0 if node.window_lock else node.window_live
             if node.lock_ref:
@@ -300,7 +300,7 @@ class RadixCache:
         node.children[self._filed_key(child)] = child
         self.evictable_size += len(key)
         if self.windowed:
-            child.window_live = int(self.allocator.window_live(value).sum())
+            child.window_live = self.allocator.window_count(value)
             self.window_evictable += child.window_live
         return child
 
@@ -356,7 +356,7 @@ class RadixCache:
         upper.lock_ref = child.lock_ref
         upper.window_lock = child.window_lock  # a window lock covers whole nodes: both parts
         if self.windowed:
-            upper.window_live = int(self.allocator.window_live(upper.value).sum())
+            upper.window_live = self.allocator.window_count(upper.value)
             child.window_live -= upper.window_live
         upper.parent.children[self._filed_key(upper)] = upper
         child.key = child.key[n:]

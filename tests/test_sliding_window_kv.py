@@ -142,32 +142,30 @@ def _generate(sched: Scheduler, outs: list, reqs: list[TokenizedGenerateReq]) ->
     return results
 
 
-def _scheduler(path: str, **kw) -> Scheduler:
+def _scheduler(path: str, **kw) -> tuple[Scheduler, list]:
     args = ServerArgs(model_path=path, dtype="float32", num_threads=THREADS, skip_tokenizer_init=True,
                       enable_deterministic_inference=True, grammar_backend="none", chunked_prefill_size=16,
                       max_prefill_tokens=32, max_running_requests=4, **kw).resolved()
     outs: list = []
-    sched = Scheduler(args, ModelRunner(args, progress=False), outs.extend)
-    sched.outs = outs
-    return sched
+    return Scheduler(args, ModelRunner(args, progress=False), outs.extend), outs
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_window_only_kv_gives_the_outputs_of_a_pool_that_keeps_every_token(tiny_gemma3, page_size):
     waves = [_requests(1), _requests(1)[::-1], _requests(2)]  # the second wave repeats the first: cache hits
     waves[1] = [msgspec.structs.replace(m, rid=m.rid + "-again") for m in waves[1]]
-    ref = _scheduler(tiny_gemma3, max_total_tokens=4096, disable_radix_cache=True, disable_hybrid_swa_memory=True,
+    ref, ref_outs = _scheduler(tiny_gemma3, max_total_tokens=4096, disable_radix_cache=True, disable_hybrid_swa_memory=True,
                      page_size=page_size)
     assert not ref.kv.window
     want = {}
     for wave in waves:
-        want.update(_generate(ref, ref.outs, wave))
+        want.update(_generate(ref, ref_outs, wave))
     # window slots for two windows and a chunk (40): four requests of up to ~120 tokens run side by side in them
-    sched = _scheduler(tiny_gemma3, max_total_tokens=1024, swa_full_tokens_ratio=0.01, page_size=page_size)
+    sched, outs = _scheduler(tiny_gemma3, max_total_tokens=1024, swa_full_tokens_ratio=0.01, page_size=page_size)
     assert sched.kv.window == WINDOW and sched.runner.allocator.window.capacity < 48
     got = {}
     for wave in waves:
-        got.update(_generate(sched, sched.outs, wave))
+        got.update(_generate(sched, outs, wave))
         assert sched.kv.check() is None
     assert got == want
     assert sched.kv.cache.stats().hit_tokens > 0
@@ -178,7 +176,7 @@ def test_a_windowed_batch_crosses_the_wire_to_other_ranks(tiny_gemma3):
     from plait.runtime.distributed import step_sync
     from plait.runtime.model_executor.model_runner import WorkItem
 
-    runner = _scheduler(tiny_gemma3, max_total_tokens=256).runner
+    runner = _scheduler(tiny_gemma3, max_total_tokens=256)[0].runner
     row = runner.req_to_token.alloc()
     slots = runner.allocator.alloc_extend(-1, 0, 20)
     runner.req_to_token.table[row, :20] = slots
