@@ -14,6 +14,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -82,9 +83,9 @@ _LOADED: dict[str, str] = {}
 def loaded_kernels() -> dict[str, str]:
     """Load every CPU kernel now (a bad PLAIT_CPU_ISA fails here, at start-up) and say what serves
     each: {"cpu_isa": level, kernel: "c/<level>" | "torch"}."""
-    from plait.kernels import cpu_attention, cpu_bitmask, cpu_fused, cpu_linear, cpu_quant
+    from plait.kernels import cpu_attention, cpu_bitmask, cpu_decode, cpu_fused, cpu_linear, cpu_quant
 
-    for module in (cpu_attention, cpu_bitmask, cpu_fused, cpu_linear, cpu_quant):
+    for module in (cpu_attention, cpu_bitmask, cpu_decode, cpu_fused, cpu_linear, cpu_quant):
         module._library()
     return {"cpu_isa": cpu_isa.selected(), **_LOADED}
 
@@ -94,8 +95,11 @@ def _build(source_path: Path, level: str) -> Path:
     if not compiler:
         raise RuntimeError("no C compiler found")
     flags = [*_FLAGS, *cpu_isa.compile_flags(level)]
-    # headers are part of every kernel's build: a change to any of them rebuilds
-    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
+    # headers, and the sources a kernel includes whole (decode_layers.c), are part of its build: a change to any
+    # of them rebuilds
+    text = source_path.read_bytes()
+    included = [source_path.parent / name.decode() for name in re.findall(rb'#include "(\w+\.c)"', text)]
+    source = text + b"".join(f.read_bytes() for f in [*included, *sorted(source_path.parent.glob("*.h"))])
     key = " ".join([compiler, _compiler_version(compiler), level, *flags, os.uname().machine])
     digest = hashlib.sha256(source + key.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "plait" / "kernels"

@@ -78,17 +78,12 @@ static inline int kweight(const KBlock *b, const int16_t *sc, int i, const int f
 static void quantize_row_k(const float *x, int64_t k, int16_t *q, float *d, int32_t *isum) {
   for (int64_t g = 0; g < k / QKK; ++g) {
     const float *xb = x + g * QKK;
-    float amax = 0.f;
-    for (int i = 0; i < QKK; ++i) amax = fmaxf(amax, fabsf(xb[i]));
-    const float id = amax > 0.f ? 32767.f / amax : 0.f;
+    const float amax = abs_max(xb, QKK), id = amax > 0.f ? 32767.f / amax : 0.f;
     d[g] = amax / 32767.f;
+    round_i16(xb, QKK, id, q + g * QKK);
     for (int s = 0; s < QKK / 32; ++s) {
       int32_t sum = 0;
-      for (int i = 0; i < 32; ++i) {
-        const int16_t v = (int16_t)nearbyintf(xb[s * 32 + i] * id);  // nearest, ties to even
-        q[g * QKK + s * 32 + i] = v;
-        sum += v;
-      }
+      for (int i = 0; i < 32; ++i) sum += q[g * QKK + s * 32 + i];
       isum[g * 8 + s] = sum;
     }
   }

@@ -78,18 +78,45 @@ typedef struct {
   float *d, *s;
 } XQuant;
 
+// the largest |x[i]| of n (a multiple of 8): exact in any order; a NaN is skipped, as fmaxf skips it (maxps keeps
+// its second operand)
+static inline float abs_max(const float *x, int64_t n) {
+#ifdef __AVX2__
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mx = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) mx = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), mx);
+  return hmax(mx);
+#else
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  return amax;
+#endif
+}
+
+// q[i] = x[i] * id rounded to nearest, ties to even (the default rounding mode, as nearbyintf), for n (a multiple
+// of 16) values with |x[i] * id| <= 32767
+static inline void round_i16(const float *x, int64_t n, float id, int16_t *q) {
+#ifdef __AVX2__
+  const __m256 vid = _mm256_set1_ps(id);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), vid));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), vid));
+    _mm256_storeu_si256((__m256i *)(q + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) q[i] = (int16_t)nearbyintf(x[i] * id);
+#endif
+}
+
 static void quantize_row(const float *x, int64_t k, int16_t *q, float *d, float *s) {
   for (int64_t g = 0; g < k / QK; ++g) {
     const float *xb = x + g * QK;
-    float amax = 0.f, sum = 0.f;
-    for (int i = 0; i < QK; ++i) {
-      amax = fmaxf(amax, fabsf(xb[i]));
-      sum += xb[i];
-    }
-    const float id = amax > 0.f ? 32767.f / amax : 0.f;
+    float sum = 0.f;
+    for (int i = 0; i < QK; ++i) sum += xb[i];  // in order: the sum's rounding is part of the result
+    const float amax = abs_max(xb, QK), id = amax > 0.f ? 32767.f / amax : 0.f;
     d[g] = amax / 32767.f;
     s[g] = sum;
-    for (int i = 0; i < QK; ++i) q[g * QK + i] = (int16_t)nearbyintf(xb[i] * id);  // nearest, ties to even
+    round_i16(xb, QK, id, q + g * QK);
   }
 }
 

@@ -44,6 +44,9 @@ class ServerArgs:
     disable_packed_weights: bool = _arg(
         False, "on CPU, keep no second (oneDNN-blocked) copy of the float32 matmul weights: half the weight "
         "memory, slower prefill and large batches")
+    disable_native_decode: bool = _arg(
+        False, "run decode steps through the Python layer loop instead of one C call for the whole layer stack "
+        "(the same result; README: Performance)")
     context_length: int | None = _arg(None, "max tokens per sequence; default: the model's")
     max_total_tokens: int | None = _arg(None, "KV pool size in tokens; default: from --mem-fraction-static")
     mem_fraction_static: float = _arg(0.15, "fraction of free memory given to the KV pool when its size is auto")

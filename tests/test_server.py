@@ -121,6 +121,7 @@ def test_info_endpoints(http, server):
         # the default: the GGUF's own Q4_1 / Q8_0 blocks where the block kernel runs
         assert si["quantization"] == ("auto" if level != "ref" else "none")
         assert si["weight_formats"] == (["q4_1", "q8_0"] if level != "ref" else ["none"])
+        assert si["decode_stack"] == ("c" if level != "ref" else "loop")
         assert si["kernels"]["cpu_isa"] == level
         assert set(si["kernels"]) >= {"skinny_linear", "paged_attention", "fused_ops", "token_bitmask", "quant_linear"}
         assert all(v == ("torch" if level == "ref" else f"c/{level}") for k, v in si["kernels"].items() if k != "cpu_isa")

@@ -86,15 +86,18 @@ class ModelRunner:
                               window_layers=self.window_layers, num_window_slots=num_window)
         self.allocator = (WindowedKVAllocator(num_slots, args.page_size, num_window) if self.window_layers
                           else KVAllocator(num_slots, args.page_size))
+        # decode steps of few rows: the whole layer stack in one C call where every layer fits it
+        self.model.decode_stack = None if args.disable_native_decode else self.model.native_decode(self.kv_pool)
         # a few spare rows: retracted and chunked requests hold rows beside the running ones
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_length + 1)
         logger.info("KV pool: %d tokens%s (%.0f MiB)", self.allocator.capacity,
                     f", sliding-window layers {num_window} (window {self.kv_window})" if num_window else "",
                     self.kv_pool.nbytes / 2**20)
         _release_freed_memory()
-        logger.info("dtype %s, weights %s, KV %s%s; CPU kernels: %s", args.dtype, "+".join(self.weight_formats),
-                    self.kv_dtype, ", batch-invariant" *
-                    self.batch_invariant, ", ".join(f"{k} {v}" for k, v in self.kernels.items()))
+        logger.info("dtype %s, weights %s, KV %s%s; decode steps: %s; CPU kernels: %s", args.dtype,
+                    "+".join(self.weight_formats), self.kv_dtype, ", batch-invariant" * self.batch_invariant,
+                    "one C call for the layer stack" if self.model.decode_stack is not None else "the layer loop",
+                    ", ".join(f"{k} {v}" for k, v in self.kernels.items()))
 
     def _kv_bytes_per_token(self) -> float:
         """A token's K and V over all layers; a sliding-window layer's counted at its share of window slots."""

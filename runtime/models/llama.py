@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.kernels import cpu_decode
+from plait.kernels.cpu_decode import DecodeLayers, StepTables
 from plait.kernels.cpu_fused import add_rms_norm, rms_norm, rope_store
 from plait.kernels.cpu_quant import GROUP, BlockTensor
 from plait.radix_cache.memory_pool import KVPool
@@ -33,10 +35,10 @@ from plait.runtime.layers.attention import paged_attention
 from plait.runtime.layers.linear import (MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding, WeightLoader,
                                          copy_loader, empty_param, narrow)
 from plait.runtime.layers.moe import SparseMLP
-from plait.runtime.layers.quantization import QuantConfig
+from plait.runtime.layers.quantization import BlockQuantizedMethod, QuantConfig
 from plait.runtime.layers.rotary import RotaryEmbedding
 from plait.runtime.model_config import FULL, SLIDING, ModelConfig
-from plait.runtime.model_executor.forward_batch import current_batch
+from plait.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode, current_batch
 
 FINAL_HIDDEN = -1  # in a capture list: the last hidden state after the final norm (what EAGLE heads read)
 
@@ -235,6 +237,37 @@ class LlamaForCausalLM(nn.Module):
         # Gemma 3's sliding-window layers rotate with their own base
         self.rotary_local = None if cfg.rope_local is None else RotaryEmbedding(
             cfg.hf_config, cfg.head_dim, cfg.rope_local.theta, max_positions, compute_dtype, spec=cfg.rope_local)
+        # set by the model runner (native_decode): decode steps then run the layers as one C call
+        self.decode_stack: DecodeLayers | None = None
+
+    def native_decode(self, pool: KVPool) -> DecodeLayers | None:
+        """The layer stack as one C call for decode steps (kernels/cpu_decode.py), or None where a layer needs
+        what the C stack does not do: tensor parallelism, experts, q/k norms or clipping, weights other than
+        blocks of the C kernels (a float32 or bfloat16 weight goes through oneDNN or skinny_linear)."""
+        if self.group.distributed or self.compute_dtype is not torch.float32:
+            return None
+        specs, max_rows = [], 1 << 30
+        for layer in self.layers:
+            if layer.sparse is not None or layer.q_norm is not None or layer.clip_qkv is not None:
+                return None
+            mats = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+            projs = [_native_proj(m) for m in mats]
+            if any(p is None for p in projs) or any(len(p.parts) > 1 or p.bias is not None for p in projs[1::2]):
+                return None  # o_proj and down_proj are one weight each, with no bias of their own
+            qkv, (o,), gate_up, (down,) = projs[0], projs[1].parts, projs[2], projs[3].parts
+            # the stack runs the block kernel at every row count it takes, as the loop does only up to here
+            max_rows = min([max_rows] + [BlockQuantizedMethod.kernel_rows(sub) for m in mats
+                                         for sub in getattr(m, "sublayers", [m])])
+            sliding = layer.layer_type == SLIDING
+            specs.append(cpu_decode.LayerSpec(
+                qkv, o, gate_up, down, layer.input_norm.data, layer.post_norm.data,
+                None if layer.attn_out_norm is None else layer.attn_out_norm.data,
+                None if layer.mlp_out_norm is None else layer.mlp_out_norm.data,
+                pool.k[layer.layer_id], pool.v[layer.layer_id], layer.window, bool(layer.window),
+                sliding and self.rotary_local is not None, layer.softcap))
+        first = self.layers[0]
+        return DecodeLayers(specs, self.cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
+                            first.eps, first.scale, self.cfg.hidden_act, max_rows)
 
     def rotary_of(self, layer: int) -> RotaryEmbedding:
         """The rotary embedding layer `layer`'s keys carry."""
@@ -267,10 +300,13 @@ class LlamaForCausalLM(nn.Module):
         if self.rotary_local is not None:
             rope[SLIDING] = self.rotary_local.tables(fb.positions)
         taken: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, pool)
-            if i in capture:
-                taken[i] = x.clone()  # later layers add into x in place
+        if not capture and self.decode_stack is not None and _stack_takes(fb, self.decode_stack.max_rows):
+            x = self.decode_stack(x.contiguous(), _step_tables(fb, rope), fb.batch_invariant)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, rope, pool)
+                if i in capture:
+                    taken[i] = x.clone()  # later layers add into x in place
         if FINAL_HIDDEN in capture:
             x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
             taken[FINAL_HIDDEN] = x
@@ -294,3 +330,34 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             loaders.update(layer.weight_loaders())
         return loaders
+
+
+def _native_proj(layer: nn.Module) -> cpu_decode.Proj | None:
+    """The layer's matmul as the C stack runs it: block weights whose C kernel is loaded (in one format, or in
+    MixedMethod's parts), or None."""
+    subs = getattr(layer, "sublayers", None)
+    if subs is None:
+        m = getattr(layer, "qmatmul", None)
+        return cpu_decode.Proj((m,)) if m is not None and cpu_decode.fits(m) else None
+    parts = tuple(getattr(sub, "qmatmul", None) for sub in subs)
+    if len(parts) > 3 or not all(m is not None and cpu_decode.fits(m) and m.bias is None for m in parts):
+        return None
+    return cpu_decode.Proj(parts, None if layer.bias is None else layer.bias.data)
+
+
+def _stack_takes(fb: ForwardBatch, max_rows: int) -> bool:
+    """A batch the C layer stack runs: decode tokens alone, no shared-prefix split (the loop's cascade pass), and
+    few enough rows that every matmul of the loop would run the block kernel too (more go to a GEMM)."""
+    return (fb.mode is ForwardMode.DECODE and fb.extend is None and fb.decode is not None
+            and fb.decode.prefix_slots is None and (fb.num_tokens <= max_rows or fb.batch_invariant))
+
+
+def _step_tables(fb: ForwardBatch, rope: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> StepTables:
+    local = rope.get(SLIDING)
+    win = fb.windowed.decode if fb.windowed is not None else None
+    return StepTables(
+        (rope[FULL][0].contiguous(), None if local is None else local[0].contiguous()),
+        (rope[FULL][1].contiguous(), None if local is None else local[1].contiguous()),
+        (fb.out_slots.contiguous(), None if win is None else fb.windowed.out_slots.contiguous()),
+        (fb.decode.kv_slots.contiguous(), None if win is None else win.kv_slots.contiguous()),
+        fb.decode.kv_lens.contiguous())

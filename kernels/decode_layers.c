@@ -1,0 +1,138 @@
+// A decode step's whole stack of decoder layers in one call: the same kernels the Python layer loop calls
+// (quant_linear with its fused prologues, rope_store, paged_attention, rms_norm), in the same order on the same
+// inputs, so the result is the loop's bit for bit. At decode sizes a layer's kernels take tens of microseconds
+// and the Python between them about as long; here nothing runs between them.
+#include "quant_linear.c"
+#include "paged_attention.c"
+#include "fused_ops.c"
+
+// one matmul weight in the kernel's layout: y [m, n] = x [m, k] W^T (+ bias)
+typedef struct {
+  const void *w;
+  const float *bias;  // NULL: none
+  int64_t n, k;
+  int64_t fmt;  // Q8_0 .. Q6_K
+} Mat;
+
+// a projection: one weight, or up to three side by side in formats of their own (a Q4_K_M file's Q4_K q and k
+// beside its Q6_K v: runtime/layers/quantization.py's MixedMethod), then `bias` over all of them
+typedef struct {
+  Mat part[3];
+  int64_t parts;
+  const float *bias;  // with several parts; NULL: none (one part carries its own)
+} Proj;
+
+// one layer's weights and KV (ctypes mirrors these in kernels/cpu_decode.py)
+typedef struct {
+  Proj qkv, gate_up;
+  Mat o, down;
+  const float *input_norm, *post_norm;
+  const float *attn_out_norm, *mlp_out_norm;  // Gemma's norms after each sublayer; NULL: none
+  void *k_pool, *v_pool;                      // [Hkv, S, D] each
+  int64_t k_row, k_head, v_row, v_head;       // element strides of a slot and of a head
+  int64_t window;                             // > 0: a sliding-window layer (sees its last `window` keys)
+  int64_t slot_set;                           // which of the step's slot sets its K/V live in (0: full, 1: window)
+  int64_t rope_set;                           // which of the step's rotary tables it rotates by (0: full, 1: local)
+  float softcap;
+} Layer;
+
+// the batch: `rows` decode tokens, one per request
+typedef struct {
+  int64_t rows, hidden, heads, kv_heads, head_dim;
+  const float *cos[2], *sin[2];    // [rows, D] per rotary table
+  const int64_t *out_slots[2];     // [rows]: where each token's K/V go, per slot set
+  const int64_t *kv_slots[2];      // [rows, max_len]: each request's keys, per slot set
+  const int64_t *kv_lens;          // [rows]
+  int64_t max_len;
+  int64_t kv_fmt, act;             // FMT_F32 / FMT_BF16; 0: SiLU, 1: GELU (tanh)
+  float eps, scale;
+  int64_t threads, invariant;
+} Step;
+
+// y [m, n] = prologue(x) [m, k] times the projection. Several parts take the prologue once, as MixedMethod does
+// (fused_ops.c's rms_norm / add_rms_norm into `normed`), then each part as is into `part`, copied into its columns.
+static void project(const Proj *p, float *x, int64_t m, int64_t k, int prologue, const float *norm_w, float eps,
+                    const float *residual, float *y, float *normed, float *part, int threads, int invariant) {
+  if (p->parts == 1) {
+    const Mat *a = &p->part[0];
+    quant_linear(x, a->w, a->bias, y, m, a->n, k, (int)a->fmt, prologue, norm_w, eps, residual, threads, invariant);
+    return;
+  }
+  float *in = x;
+  if (prologue == RMS_NORM) {
+    rms_norm(x, norm_w, normed, m, k, eps, threads);
+    in = normed;
+  } else if (prologue == ADD_RMS_NORM) {
+    add_rms_norm(x, residual, norm_w, normed, m, k, eps, threads);
+    in = normed;
+  }
+  int64_t n = 0, off = 0;
+  for (int64_t i = 0; i < p->parts; ++i) n += p->part[i].n;
+  for (int64_t i = 0; i < p->parts; ++i) {
+    const Mat *a = &p->part[i];
+    quant_linear(in, a->w, a->bias, part, m, a->n, k, (int)a->fmt, AS_IS, NULL, 0.f, NULL, threads, invariant);
+    for (int64_t r = 0; r < m; ++r) memcpy(y + r * n + off, part + r * a->n, sizeof(float) * (size_t)a->n);
+    off += a->n;
+  }
+  if (p->bias)
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < n; ++j) y[r * n + j] += p->bias[j];
+}
+
+static int64_t proj_width(const Proj *p) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < p->parts; ++i) n += p->part[i].n;
+  return n;
+}
+
+// x [rows, hidden], the residual stream, carried through `count` layers in place. Returns 0, or -1 when scratch
+// memory could not be had (x is then unchanged only if the first allocation failed; the caller raises).
+int decode_layers(const Layer *layers, int64_t count, const Step *s, float *x) {
+  const int64_t m = s->rows, h = s->hidden, d = s->head_dim, hq = s->heads, hkv = s->kv_heads;
+  int64_t widest = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t a = proj_width(&layers[i].qkv), b = proj_width(&layers[i].gate_up);
+    widest = a > widest ? a : widest;
+    widest = b > widest ? b : widest;
+  }
+  // wide: qkv or gate | up (part: one part of it); q: rotated queries; attn: attention output; y: o_proj /
+  // down_proj output; normed: a normed input; post: a sublayer's output normed (Gemma)
+  float *buf = (float *)malloc(sizeof(float) * (size_t)(m * (2 * widest + 2 * hq * d + hq + 3 * h)));
+  if (!buf) return -1;
+  float *wide = buf, *part = wide + m * widest, *q = part + m * widest, *attn = q + m * hq * d;
+  float *lse = attn + m * hq * d, *y = lse + m * hq, *normed = y + m * h, *post = normed + m * h;
+  const int threads = (int)s->threads, invariant = (int)s->invariant;
+  // as kernels/cpu_attention.py: a second thread only for enough keys
+  const int attn_threads = m * hkv * s->max_len >= 256 ? threads : 1;
+  for (int64_t i = 0; i < count; ++i) {
+    const Layer *l = &layers[i];
+    // a window layer's slots are the window set where the batch has one (the pool keeps every token otherwise)
+    const int64_t set = l->slot_set && s->out_slots[1] ? 1 : 0, rs = l->rope_set;
+    project(&l->qkv, x, m, h, RMS_NORM, l->input_norm, s->eps, NULL, wide, normed, part, threads, invariant);
+    rope_store(wide, s->cos[rs], s->sin[rs], q, l->k_pool, l->v_pool, s->out_slots[set], m, hq, hkv, d, l->k_row,
+               l->k_head, l->v_row, l->v_head, (int)s->kv_fmt, threads);
+    paged_attention(q, l->k_pool, l->v_pool, s->kv_slots[set], NULL, s->kv_lens, attn, lse, m, hkv, hq / hkv, d, d,
+                    s->max_len, l->k_row, l->v_row, l->k_head, l->v_head, l->window, s->scale, l->softcap,
+                    (int)s->kv_fmt, attn_threads);
+    quant_linear(attn, l->o.w, l->o.bias, y, m, h, hq * d, (int)l->o.fmt, AS_IS, NULL, 0.f, NULL, threads, invariant);
+    const float *residual = y;
+    if (l->attn_out_norm) {
+      rms_norm(y, l->attn_out_norm, post, m, h, s->eps, threads);
+      residual = post;
+    }
+    // x += residual, then gate | up of its norm
+    project(&l->gate_up, x, m, h, ADD_RMS_NORM, l->post_norm, s->eps, residual, wide, normed, part, threads,
+            invariant);
+    quant_linear(wide, l->down.w, l->down.bias, y, m, h, l->down.k, (int)l->down.fmt, s->act ? GELU_MUL : SILU_MUL,
+                 NULL, 0.f, NULL, threads, invariant);
+    const float *mlp = y;
+    if (l->mlp_out_norm) {
+      rms_norm(y, l->mlp_out_norm, post, m, h, s->eps, threads);
+      mlp = post;
+    }
+#pragma omp simd
+    for (int64_t j = 0; j < m * h; ++j) x[j] += mlp[j];
+  }
+  free(buf);
+  return 0;
+}

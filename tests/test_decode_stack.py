@@ -1,0 +1,120 @@
+"""Decode steps run the whole layer stack as one C call (kernels/decode_layers.c) where every layer fits it: the
+same kernels as the Python layer loop, in the same order, so the logits are the loop's bit for bit. Checked on
+tiny random architectures with block weights (Llama, Qwen 2's qkv bias, Mistral's sliding window, Gemma 2's
+sandwich norms, GeGLU, soft caps and window-only KV), on the default model, and on the packaged Qwen 2.5 Q4_K_M
+file (q and k in Q4_K beside v in Q6_K: a projection in parts); and where a layer does not fit (q/k norms), the
+loop runs.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from plait.kernels import cpu_build
+from plait.runtime.model_executor.forward_batch import ForwardMode
+from plait.runtime.model_executor.model_runner import ModelRunner, WorkItem
+from plait.runtime.model_loader.packaged import fetch
+from plait.runtime.server_args import ServerArgs
+
+from conftest import THREADS
+from test_model_logits import _tiny_configs
+
+
+needs_c = pytest.mark.skipif(not cpu_build.c_kernels_possible(), reason="no C kernels here (PLAIT_CPU_ISA=ref or no "
+                              "compiler): every step runs the loop")
+
+
+def _runner(model_path: str | None, **kw) -> ModelRunner:
+    args = ServerArgs(model_path=model_path, num_threads=THREADS, max_total_tokens=4096, max_running_requests=8,
+                      skip_tokenizer_init=model_path is not None and "tiny" in model_path, **kw).resolved()
+    return ModelRunner(args, progress=False)
+
+
+def _decode(runner: ModelRunner, prompts: list[list[int]], steps: int, stack: bool) -> torch.Tensor:
+    """Logits of `steps` decode steps of all prompts in one batch, with the C stack or the Python loop."""
+    saved = runner.model.decode_stack
+    runner.model.decode_stack = saved if stack else None
+    rows = []
+    try:
+        for p in prompts:
+            row = runner.req_to_token.alloc()
+            runner.req_to_token.table[row, : len(p) + steps] = runner.allocator.alloc_extend(-1, 0, len(p) + steps)
+            rows.append((row, len(p)))
+            runner.forward([WorkItem(row, 0, p, [len(p) - 1])])
+        rng = random.Random(0)
+        out = []
+        for s in range(steps):
+            items = [WorkItem(row, n + s, [rng.randrange(100)], [0], ForwardMode.DECODE) for row, n in rows]
+            out.append(runner.forward(items))
+        return torch.stack(out)
+    finally:
+        runner.model.decode_stack = saved
+        for (row, n) in rows:
+            runner.allocator.free(runner.req_to_token.table[row, : n + steps].clone())
+            runner.req_to_token.free(row)
+
+
+def _prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    paths = {}
+    for name in ("llama2", "qwen2-qkv-bias", "mistral-sliding-window", "gemma2", "qwen3-qk-norm"):
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(_tiny_configs()[name]).eval()
+        with torch.no_grad():  # non-trivial biases and norms
+            for p in hf.parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p) * 0.1)
+        paths[name] = tmp_path_factory.mktemp(f"tiny-{name}")
+        hf.save_pretrained(paths[name])
+    return paths
+
+
+@needs_c
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["llama2", "qwen2-qkv-bias", "mistral-sliding-window", "gemma2"])
+def test_the_c_stack_gives_the_loops_logits_bit_for_bit(tiny_models, name, quantization):
+    runner = _runner(str(tiny_models[name]), quantization=quantization)
+    assert runner.model.decode_stack is not None
+    if name == "gemma2":
+        assert runner.window_layers  # the sliding layer reads its window slots (ForwardBatch.windowed)
+    # three requests of different lengths, decoding past the window of 12
+    prompts = _prompts(160, [5, 17, 30])
+    stack, loop = _decode(runner, prompts, 20, True), _decode(runner, prompts, 20, False)
+    assert torch.equal(stack, loop), (stack - loop).abs().max()
+    assert torch.isfinite(stack).all()
+
+
+def test_a_layer_the_stack_does_not_do_runs_the_loop(tiny_models):
+    runner = _runner(str(tiny_models["qwen3-qk-norm"]), quantization="int8")
+    assert runner.model.decode_stack is None  # q/k norms
+    assert torch.isfinite(_decode(runner, _prompts(160, [9]), 3, False)).all()
+    flagged = _runner(str(tiny_models["llama2"]), quantization="int8", disable_native_decode=True)
+    assert flagged.model.decode_stack is None
+
+
+@needs_c
+def test_the_default_model_decodes_through_the_stack_with_the_loops_logits():
+    runner = _runner(None)
+    assert runner.model.decode_stack is not None and "q4_1" in runner.weight_formats
+    prompts = _prompts(30000, [40, 7, 90, 23])
+    for batch in (prompts[:1], prompts):
+        assert torch.equal(_decode(runner, batch, 6, True), _decode(runner, batch, 6, False))
+
+
+@needs_c
+def test_a_projection_in_several_formats_runs_in_parts():
+    runner = _runner(str(fetch("qwen2.5-coder-0.5b")))
+    qkv = runner.model.decode_stack.layers[0].qkv
+    assert len(qkv.parts) > 1 and qkv.bias is not None  # Q4_K q and k beside Q6_K v; the qkv bias after them
+    prompts = _prompts(30000, [33, 12])
+    assert torch.equal(_decode(runner, prompts, 5, True), _decode(runner, prompts, 5, False))
