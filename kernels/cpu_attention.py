@@ -17,7 +17,6 @@ import torch
 
 from plait.kernels.cpu_build import F32, FORMATS, I64, INT, PTR, load_library
 
-_MIN_ROWS_PER_THREAD = 2048
 _REF_CHUNK = 64
 
 
@@ -87,8 +86,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     rows = None if rows is None else _contiguous(rows)
     num_queries, heads, groups, dim = q.shape
     vdim = v_pool.shape[2]
-    # a second thread pays off only for enough work (waking one costs a few microseconds)
-    threads = torch.get_num_threads() if num_queries * heads * slots.shape[1] >= _MIN_ROWS_PER_THREAD else 1
+    threads = torch.get_num_threads()  # the kernel takes fewer for little work
     out = torch.empty(num_queries, heads, groups, vdim, dtype=q.dtype)
     lse = torch.empty(num_queries, heads, groups, dtype=q.dtype)
     lib.paged_attention(

@@ -102,8 +102,6 @@ int decode_layers(const Layer *layers, int64_t count, const Step *s, float *x) {
   float *wide = buf, *part = wide + m * widest, *q = part + m * widest, *attn = q + m * hq * d;
   float *lse = attn + m * hq * d, *y = lse + m * hq, *normed = y + m * h, *post = normed + m * h;
   const int threads = (int)s->threads, invariant = (int)s->invariant;
-  // as kernels/cpu_attention.py: a second thread only for enough keys
-  const int attn_threads = m * hkv * s->max_len >= 256 ? threads : 1;
   for (int64_t i = 0; i < count; ++i) {
     const Layer *l = &layers[i];
     // a window layer's slots are the window set where the batch has one (the pool keeps every token otherwise)
@@ -113,7 +111,7 @@ int decode_layers(const Layer *layers, int64_t count, const Step *s, float *x) {
                l->k_head, l->v_row, l->v_head, (int)s->kv_fmt, threads);
     paged_attention(q, l->k_pool, l->v_pool, s->kv_slots[set], NULL, s->kv_lens, attn, lse, m, hkv, hq / hkv, d, d,
                     s->max_len, l->k_row, l->v_row, l->k_head, l->v_head, l->window, s->scale, l->softcap,
-                    (int)s->kv_fmt, attn_threads);
+                    (int)s->kv_fmt, threads);
     quant_linear(attn, l->o.w, l->o.bias, y, m, h, hq * d, (int)l->o.fmt, AS_IS, NULL, 0.f, NULL, threads, invariant);
     const float *residual = y;
     if (l->attn_out_norm) {

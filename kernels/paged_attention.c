@@ -2,8 +2,10 @@
 // place from the KV pool (no gather copy). Decode queries have one row each; prefill ("extend")
 // tokens share their request's row and differ in how many keys they see, which is causal
 // attention without a mask. One task per (query, kv head) covers that head's G grouped query
-// heads, so each key row is read once for all of them. q, out and the arithmetic are float32; K/V
-// are float32, bfloat16 or float16 (widened on load). Threads take tasks dynamically.
+// heads, so each key row is read once for all of them; a query with more than PART_KEYS keys has one
+// task per part of them, merged after (one decode stream's keys spread over the threads). q, out and
+// the arithmetic are float32; K/V are float32, bfloat16 or float16 (widened on load). Threads take
+// tasks dynamically.
 //
 // Batch- and cache-invariant: a query's scores, softmax and value sums run in an order fixed by
 // its own key count alone, so its output is the same whatever else is in the batch, whether it
@@ -54,13 +56,10 @@ static inline void prefetch_row(const void *row, int64_t bytes) {
 }
 
 // the scalar path: any G, any head size
-static inline __attribute__((always_inline)) void task_scalar(const Args *a, int64_t qi, int64_t h, float *scores,
+static inline __attribute__((always_inline)) void task_scalar(const Args *a, const int64_t *sl, int64_t n, int64_t h,
+                                                             const float *qb, float *ob, float *lse, float *scores,
                                                              const int fmt) {
   const int64_t G = a->groups, D = a->dim, Dv = a->vdim;
-  int64_t n;
-  const int64_t *sl = visible(a, qi, &n);
-  const float *qb = a->q + (qi * a->heads + h) * G * D;
-  float *ob = a->out + (qi * a->heads + h) * G * Dv;
   for (int64_t g = 0; g < G; ++g) {
     float mx = -INFINITY, sum = 0.f;
     for (int64_t j = 0; j < n; ++j) {
@@ -79,7 +78,7 @@ static inline __attribute__((always_inline)) void task_scalar(const Args *a, int
       for (int64_t d = 0; d < Dv; ++d) o[d] += scores[j] * load1(vr, d, fmt);
     }
     for (int64_t d = 0; d < Dv; ++d) o[d] /= sum;
-    a->lse[(qi * a->heads + h) * G + g] = mx + logf(sum);
+    lse[g] = mx + logf(sum);
   }
 }
 
@@ -108,12 +107,10 @@ static inline __attribute__((always_inline)) void value_pass(float *ob, const vo
 }
 
 // one (query, kv head) task with G known at compile time; needs D % 8 == 0 and Dv % 8 == 0
-static inline __attribute__((always_inline)) void task_vec(const Args *a, int64_t qi, int64_t h, float *scores,
+static inline __attribute__((always_inline)) void task_vec(const Args *a, const int64_t *sl, int64_t n, int64_t h,
+                                                          const float *qb, float *ob, float *lse, float *scores,
                                                           const int G, const int fmt) {
   const int64_t D = a->dim, Dv = a->vdim, L = a->max_len;
-  int64_t n;
-  const int64_t *sl = visible(a, qi, &n);
-  const float *qb = a->q + (qi * a->heads + h) * G * D;
   const void *kb = at(a->k, h * a->k_head, fmt), *vb = at(a->v, h * a->v_head, fmt);
   const int64_t kr = a->k_row, vr = a->v_row;
   // scores[g * L + j] = scale * q_g . k_j, four keys at a time
@@ -176,7 +173,6 @@ static inline __attribute__((always_inline)) void task_vec(const Args *a, int64_
   // plus NV value loads fit AVX2's 16 registers); keys go in blocks small enough that the later
   // passes over a block find its value rows in L1.
   const int NV = G <= 2 ? 4 : (G <= 4 ? 2 : 1);
-  float *ob = a->out + (qi * a->heads + h) * G * Dv;
   memset(ob, 0, sizeof(float) * (size_t)(G * Dv));
   for (int64_t j0 = 0; j0 < n; j0 += VBLOCK) {
     const int64_t j1 = j0 + VBLOCK < n ? j0 + VBLOCK : n;
@@ -188,39 +184,51 @@ static inline __attribute__((always_inline)) void task_vec(const Args *a, int64_
     const __m256 inv = _mm256_set1_ps(1.f / sums[g]);
     for (int64_t d = 0; d < Dv; d += 8) _mm256_storeu_ps(ob + g * Dv + d, _mm256_mul_ps(_mm256_loadu_ps(ob + g * Dv + d), inv));
   }
-  for (int g = 0; g < G; ++g) a->lse[(qi * a->heads + h) * G + g] = maxs[g] + logf(sums[g]);
+  for (int g = 0; g < G; ++g) lse[g] = maxs[g] + logf(sums[g]);
 }
 #endif
 
-// one task in storage format fmt (a compile-time constant at each call)
-static inline __attribute__((always_inline)) void run_task_fmt(const Args *a, int64_t t, float *scores,
+// keys [j0, j0 + n) of one query's visible ones against kv head h: out [G, Dv] and lse [G], in storage format fmt (a
+// compile-time constant at each call)
+static inline __attribute__((always_inline)) void run_part_fmt(const Args *a, const int64_t *sl, int64_t n, int64_t qi,
+                                                              int64_t h, float *ob, float *lse, float *scores,
                                                               const int fmt) {
-  const int64_t qi = t / a->heads, h = t % a->heads;
+  const float *qb = a->q + (qi * a->heads + h) * a->groups * a->dim;
 #ifdef __AVX2__
   if (a->dim % 8 == 0 && a->vdim % 8 == 0) {
     switch (a->groups) {  // each case is task_vec specialised for its G
-      case 1: task_vec(a, qi, h, scores, 1, fmt); return;
-      case 2: task_vec(a, qi, h, scores, 2, fmt); return;
-      case 3: task_vec(a, qi, h, scores, 3, fmt); return;
-      case 4: task_vec(a, qi, h, scores, 4, fmt); return;
-      case 5: task_vec(a, qi, h, scores, 5, fmt); return;
-      case 6: task_vec(a, qi, h, scores, 6, fmt); return;
-      case 7: task_vec(a, qi, h, scores, 7, fmt); return;
-      case 8: task_vec(a, qi, h, scores, 8, fmt); return;
+      case 1: task_vec(a, sl, n, h, qb, ob, lse, scores, 1, fmt); return;
+      case 2: task_vec(a, sl, n, h, qb, ob, lse, scores, 2, fmt); return;
+      case 3: task_vec(a, sl, n, h, qb, ob, lse, scores, 3, fmt); return;
+      case 4: task_vec(a, sl, n, h, qb, ob, lse, scores, 4, fmt); return;
+      case 5: task_vec(a, sl, n, h, qb, ob, lse, scores, 5, fmt); return;
+      case 6: task_vec(a, sl, n, h, qb, ob, lse, scores, 6, fmt); return;
+      case 7: task_vec(a, sl, n, h, qb, ob, lse, scores, 7, fmt); return;
+      case 8: task_vec(a, sl, n, h, qb, ob, lse, scores, 8, fmt); return;
       default: break;
     }
   }
 #endif
-  task_scalar(a, qi, h, scores, fmt);
+  task_scalar(a, sl, n, h, qb, ob, lse, scores, fmt);
 }
 
-static void run_task(const Args *a, int64_t t, float *scores) {
+static void run_part(const Args *a, const int64_t *sl, int64_t n, int64_t qi, int64_t h, float *ob, float *lse,
+                     float *scores) {
   switch (a->fmt) {
-    case FMT_BF16: run_task_fmt(a, t, scores, FMT_BF16); return;
-    case FMT_F16: run_task_fmt(a, t, scores, FMT_F16); return;
-    default: run_task_fmt(a, t, scores, FMT_F32); return;
+    case FMT_BF16: run_part_fmt(a, sl, n, qi, h, ob, lse, scores, FMT_BF16); return;
+    case FMT_F16: run_part_fmt(a, sl, n, qi, h, ob, lse, scores, FMT_F16); return;
+    default: run_part_fmt(a, sl, n, qi, h, ob, lse, scores, FMT_F32); return;
   }
 }
+
+// A query that sees more than PART_KEYS keys attends to them in parts of PART_KEYS, each its own task, merged by
+// their log-sum-exps in part order: the parts of one long row (a single decode stream) spread over the threads.
+// Where the parts fall depends on the query's own key count alone, so the result stays batch-invariant.
+#define PART_KEYS 256
+// (query, head, part) tasks times keys below which a second thread costs more than it saves
+#define MIN_KEYS_PER_THREAD 256
+
+static inline int64_t parts_of(int64_t n) { return n > PART_KEYS ? (n + PART_KEYS - 1) / PART_KEYS : 1; }
 
 // q [Nq, H, G, D]; k [H, S, D] and v [H, S, Dv] in format kv_fmt (slots k_row / v_row elements apart,
 // heads k_head / v_head; head-major pools put one head's consecutive slots in one contiguous run); slots [R, L];
@@ -234,16 +242,82 @@ void paged_attention(const float *q, const void *k, const void *v, const int64_t
                      int threads) {
   const Args a = {q, k, v, slots, rows, lens, out, lse, heads, groups, dim, vdim, max_len, k_row, v_row, k_head,
                   v_head, window, scale, softcap, kv_fmt};
-  const int64_t tasks = num_queries * heads;
+  // first[i]: query i's first part; parts [first[i], first[i + 1])
+  int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_queries + 1)), keys = 0;
+  if (!first) return;
+  first[0] = 0;
+  for (int64_t i = 0; i < num_queries; ++i) {
+    int64_t n;
+    visible(&a, i, &n);
+    keys += n;
+    first[i + 1] = first[i] + parts_of(n);
+  }
+  const int64_t parts = first[num_queries], tasks = parts * heads, G = groups;
+  // a split query's parts land here before the merge: out [parts, H, G, Dv], lse [parts, H, G]
+  float *part_out = NULL, *part_lse = NULL;
+  if (parts > num_queries) {
+    part_out = (float *)malloc(sizeof(float) * (size_t)(tasks * G * (vdim + 1)));
+    if (!part_out) {
+      free(first);
+      return;
+    }
+    part_lse = part_out + tasks * G * vdim;
+  }
   if (threads < 1) threads = 1;
   if (threads > tasks) threads = (int)tasks;
+  if (keys * heads < (int64_t)threads * MIN_KEYS_PER_THREAD) threads = 1;
   // torch's OpenMP runtime (same soname, already loaded): its threads, not new ones per call.
-  // Dynamic chunks: causal prefill tasks grow with the token's position.
+  // Dynamic chunks (causal prefill tasks grow with the token's position), about eight a thread: a few tasks (one
+  // decode stream's heads and parts) one at a time
+  const int64_t chunk = tasks / (8 * threads) > 1 ? tasks / (8 * threads) : 1;
 #pragma omp parallel num_threads(threads)
   {
     float *scores = (float *)malloc(sizeof(float) * (size_t)(groups * (max_len > 0 ? max_len : 1)));
-#pragma omp for schedule(dynamic, 8)
-    for (int64_t t = 0; t < tasks; ++t) run_task(&a, t, scores);
+#pragma omp for schedule(dynamic, chunk)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t p = t / heads, h = t % heads;
+      int64_t lo = 0, hi = num_queries;  // the query whose parts hold p
+      while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (first[mid] <= p) lo = mid; else hi = mid;
+      }
+      const int64_t qi = lo, c = p - first[qi];
+      int64_t n;
+      const int64_t *sl = visible(&a, qi, &n);
+      if (first[qi + 1] - first[qi] == 1) {
+        run_part(&a, sl, n, qi, h, out + (qi * heads + h) * G * vdim, lse + (qi * heads + h) * G, scores);
+      } else {
+        const int64_t j0 = c * PART_KEYS, m = n - j0 < PART_KEYS ? n - j0 : PART_KEYS;
+        run_part(&a, sl + j0, m, qi, h, part_out + t * G * vdim, part_lse + t * G, scores);
+      }
+    }
     free(scores);
+    // each split query's parts merged, in part order: out = sum_c e^(lse_c - lse) out_c, lse = log sum_c e^lse_c
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < num_queries * heads; ++t) {
+      const int64_t qi = t / heads, h = t % heads, p0 = first[qi], np = first[qi + 1] - p0;
+      if (np == 1) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        float mx = -INFINITY, sum = 0.f;
+        for (int64_t c = 0; c < np; ++c) {
+          const float l = part_lse[((p0 + c) * heads + h) * G + g];
+          mx = l > mx ? l : mx;
+        }
+        float *o = out + ((qi * heads + h) * G + g) * vdim;
+        memset(o, 0, sizeof(float) * (size_t)vdim);
+        for (int64_t c = 0; c < np; ++c) {
+          const int64_t pt = (p0 + c) * heads + h;
+          const float w = expf(part_lse[pt * G + g] - mx);
+          const float *oc = part_out + (pt * G + g) * vdim;
+          sum += w;
+          for (int64_t d = 0; d < vdim; ++d) o[d] += w * oc[d];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t d = 0; d < vdim; ++d) o[d] *= inv;
+        lse[(qi * heads + h) * G + g] = mx + logf(sum);
+      }
+    }
   }
+  free(part_out);
+  free(first);
 }

@@ -21,7 +21,9 @@ def _expect_kernel(present) -> None:
         assert not present, "PLAIT_CPU_ISA=ref must run no C kernel"
 
 
-@pytest.mark.parametrize("batch,heads,groups,dim,length", [(1, 3, 3, 64, 7), (5, 2, 4, 32, 40), (64, 3, 3, 64, 300)])
+# rows of more than 256 keys are attended in parts (one task each) merged by their log-sum-exps
+@pytest.mark.parametrize("batch,heads,groups,dim,length", [(1, 3, 3, 64, 7), (5, 2, 4, 32, 40), (64, 3, 3, 64, 300),
+                                                           (1, 3, 3, 64, 1100), (3, 2, 1, 16, 700)])
 def test_paged_attention_kernel_matches_reference(batch, heads, groups, dim, length):
     _expect_kernel(_library())
     torch.manual_seed(0)
@@ -30,7 +32,7 @@ def test_paged_attention_kernel_matches_reference(batch, heads, groups, dim, len
     v = torch.randn(heads, slots_total, dim)
     slots = torch.randint(1, slots_total, (batch, length))
     lens = torch.randint(1, length + 1, (batch,))
-    lens[0] = 1
+    lens[0] = 1 if batch > 1 else length
     q = torch.randn(batch, heads, groups, dim)
     out, lse = paged_attention(q, k, v, slots, lens, dim**-0.5)
     ref_out, ref_lse = paged_attention_ref(q, k, v, slots, lens, dim**-0.5)
@@ -142,24 +144,30 @@ def test_paged_attention_16bit_pool_matches_reference(dtype):
 
 
 def test_paged_attention_is_batch_and_position_invariant():
-    """A query's output depends only on its keys: bitwise the same alone or in a batch, and an extend
-    token equals the decode step that sees the same keys."""
+    """A query's output depends only on its keys: bitwise the same alone or in a batch, on one thread or two, and
+    an extend token equals the decode step that sees the same keys (rows past 256 keys attended in parts too)."""
     if not C_KERNELS:
         pytest.skip("PLAIT_CPU_ISA=ref: the torch reference makes no invariance promise")
     torch.manual_seed(4)
     heads, groups, dim = 3, 3, 64
-    k, v = torch.randn(heads, 512, dim), torch.randn(heads, 512, dim)
-    slots = torch.randint(1, 512, (5, 70))
-    lens = torch.tensor([70, 3, 41, 64, 1])
+    k, v = torch.randn(heads, 1024, dim), torch.randn(heads, 1024, dim)
+    slots = torch.randint(1, 1024, (5, 600))
+    lens = torch.tensor([600, 3, 41, 300, 1])
     q = torch.randn(5, heads, groups, dim)
     batched, _ = paged_attention(q, k, v, slots, lens, dim**-0.5)
+    threads = torch.get_num_threads()
     for i in range(5):
-        alone, _ = paged_attention(q[i : i + 1], k, v, slots[i : i + 1], lens[i : i + 1], dim**-0.5)
-        assert torch.equal(alone, batched[i : i + 1]), i
-    # request 0 as 70 extend tokens: token t sees t + 1 keys, like a decode step at that length
-    qe = torch.randn(70, heads, groups, dim)
-    ext, _ = paged_attention(qe, k, v, slots[:1], torch.arange(1, 71), dim**-0.5, torch.zeros(70, dtype=torch.int64))
-    for t in (0, 1, 31, 69):
+        for n in {1, 2}:
+            torch.set_num_threads(n)
+            try:
+                alone, _ = paged_attention(q[i : i + 1], k, v, slots[i : i + 1], lens[i : i + 1], dim**-0.5)
+            finally:
+                torch.set_num_threads(threads)
+            assert torch.equal(alone, batched[i : i + 1]), (i, n)
+    # request 0 as 600 extend tokens: token t sees t + 1 keys, like a decode step at that length
+    qe = torch.randn(600, heads, groups, dim)
+    ext, _ = paged_attention(qe, k, v, slots[:1], torch.arange(1, 601), dim**-0.5, torch.zeros(600, dtype=torch.int64))
+    for t in (0, 1, 31, 255, 256, 257, 511, 599):
         dec, _ = paged_attention(qe[t : t + 1], k, v, slots[:1], torch.tensor([t + 1]), dim**-0.5)
         assert torch.equal(dec, ext[t : t + 1]), t
 
