@@ -46,10 +46,11 @@ class ServerArgs:
         "memory, slower prefill and large batches")
     disable_native_decode: bool = _arg(
         False, "run decode steps through the Python layer loop instead of one C call for the whole layer stack "
-        "(the same result; README: Performance)")
+        "(the same result)")
     context_length: int | None = _arg(None, "max tokens per sequence; default: the model's")
-    max_total_tokens: int | None = _arg(None, "KV pool size in tokens; default: from --mem-fraction-static")
-    mem_fraction_static: float = _arg(0.15, "fraction of free memory given to the KV pool when its size is auto")
+    max_total_tokens: int | None = _arg(None, "KV pool size in tokens; default: the model's context length or 256 "
+                                        "per --max-running-requests, whichever is more (README: Serving)")
+    mem_fraction_static: float = _arg(0.15, "the most of free memory the KV pool takes when its size is auto")
     page_size: int = _arg(1, "tokens per KV page")
     swa_full_tokens_ratio: float = _arg(0.5, "slots of sliding-window layers' KV as a share of the pool's tokens "
                                         "(at least twice the window plus a prefill chunk)")

@@ -48,7 +48,7 @@ class CloseVocab:
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int, eos_ids: list[int]) -> "CloseVocab":
-        texts = tokenizer.batch_decode([[i] for i in range(min(len(tokenizer), vocab_size))])
+        texts = _token_texts(tokenizer, min(len(tokenizer), vocab_size))
         # pure closers, longest first ('"}]' closes three in one token); then one separator with closers
         # (another item or a required key must follow); then the shortest values
         closers = sorted((i for i, s in enumerate(texts) if s and set(s) <= _CLOSERS), key=lambda i: -len(texts[i]))
@@ -62,6 +62,17 @@ class CloseVocab:
         return cls(lambda text: tokenizer.encode(text, add_special_tokens=False), tuple(texts), ids(ordered),
                    ids(singles), ids(sorted(eos_ids)), vocab_size, {t: i for i, t in enumerate(ordered)},
                    ids([t for t in ordered if texts[t].startswith('"')]))
+
+
+def _token_texts(tokenizer, n: int) -> list[str]:
+    """Each of the first n token ids decoded alone, as `tokenizer.batch_decode` does it: through the Rust tokenizer
+    where there is one (transformers' own loop converts every id list first, most of a second for 49k ids)."""
+    ids = [[i] for i in range(n)]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.batch_decode(ids)
+    texts = backend.decode_batch(ids, skip_special_tokens=False)
+    return [tokenizer.clean_up_tokenization(t) for t in texts] if tokenizer.clean_up_tokenization_spaces else texts
 
 
 def _text_of(vocab: "CloseVocab", tok: int) -> str:

@@ -22,6 +22,10 @@ from plait.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+# the default pool's room per running request (prompt and output of a typical chat turn; longer ones share it, and
+# the scheduler retracts or queues requests when it runs out)
+AUTO_KV_TOKENS_PER_REQUEST = 256
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -115,13 +119,17 @@ class ModelRunner:
         return min(wanted, num_slots)
 
     def _auto_kv_tokens(self) -> int:
+        """The pool without --max-total-tokens: one request at the model's full context, or every running request
+        at AUTO_KV_TOKENS_PER_REQUEST, whichever is more; at most --mem-fraction-static of free memory. Sized from
+        the model and the flags, not from the machine: a laptop keeps its memory (a share of free RAM gave the
+        default model a 2-3 GB pool)."""
         try:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):
             avail = 8 * 2**30
-        tokens = int(avail * self.args.mem_fraction_static / self._kv_bytes_per_token())
-        # no more than every running request at full context needs
-        return max(1024, min(tokens, self.args.max_running_requests * self.context_length))
+        cap = int(avail * self.args.mem_fraction_static / self._kv_bytes_per_token())
+        wanted = max(self.context_length, self.args.max_running_requests * AUTO_KV_TOKENS_PER_REQUEST)
+        return max(1024, min(wanted, cap))
 
     def forward(self, items: list[WorkItem], capture: tuple[int, ...] = ()
                 ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
