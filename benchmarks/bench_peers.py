@@ -30,8 +30,9 @@ Workloads (streams, temperature 0, fixed output lengths: min_tokens = max_tokens
 
 Offline (in-process, plait's ModelRunner, same run): for each weight variant (the default, float32,
 --quantization int8 / int4), batch-1 decode tok/s, top-1 agreement and mean KL of next-token
-distributions against float32 over the benchmark's prompts, and the breakdown of a batch-1 and a
-batch-64 decode step (matmul, attention, other kernels, glue, batch metadata, sampling).
+distributions against float32 over the benchmark's prompts, and a decode step at batch 1, 16 and 64 against the
+roof: as served, its split (matmul, LM head, attention, other kernels, glue, batch metadata, sampling), and the
+bound (weights over the measured read bandwidth, or FLOPs over the measured GEMM peak).
 """
 
 from __future__ import annotations
@@ -388,7 +389,7 @@ def offline(ns, tok, prompts: list[str]) -> list[str]:
         lines.append(f"| {name} | {v['dtype']}, quantization {v['quantization']} | {mean[name]:.1f} ({rounds}) | "
                      f"{mean[name] / mean['none']:.2f}x | "
                      f"{100 * top1:.2f}% | {kl:.5f} |")
-    lines += ["", _neighbour(runners["default"], ids[0][:127], ns), "", _breakdown(runners["default"], ids, ns)]
+    lines += ["", _neighbour(runners["default"], ids[0][:127], ns), "", *_breakdown(runners["default"], ids, ns)]
     del runners
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return lines
@@ -467,19 +468,55 @@ def _neighbour(runner, prompt: list[int], ns) -> str:
             f"{fixed:.1f} tok/s ({fixed / quiet:.2f}x)")
 
 
-def _breakdown(runner, ids: list[list[int]], ns) -> str:
-    """Where a decode step's time goes, at batch 1 and 64: the model's kernels timed by wrapping them."""
+def gemm_peak(threads: int) -> tuple[float, str]:
+    """This machine's GEMM peak in FLOP/s with `threads` threads, in the dtype plait's many-row matmuls use here
+    (oneDNN over a packed copy, bfloat16 where the CPU multiplies it natively): the best of 5 on 2048 x 4096 x 2048."""
+    import torch
+
+    from plait.runtime.layers.linear import onednn_copy, onednn_linear, packed_dtype
+
+    dtype = packed_dtype(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        w, x = onednn_copy(torch.randn(4096, 2048), dtype), torch.randn(2048, 2048).to(dtype)
+        if w is None:
+            return 0.0, str(dtype).removeprefix("torch.")
+        best = 1e9
+        for _ in range(6):
+            start = time.perf_counter()
+            onednn_linear(x, w, None)
+            best = min(best, time.perf_counter() - start)
+        return 2 * 2048 * 4096 * 2048 / best, str(dtype).removeprefix("torch.")
+    finally:
+        torch.set_num_threads(before)
+
+
+def _matmul_params(model) -> int:
+    """Weights a decode token multiplies by: every layer's matmuls and the LM head (not the embedding lookup)."""
+    layers = sum(m.out_features * m.in_features for layer in model.layers for m in layer.linears())
+    return layers + model.lm_head.out_features * model.lm_head.in_features
+
+
+def _breakdown(runner, ids: list[list[int]], ns) -> list[str]:
+    """Where a decode step's time goes at batch 1, 16 and 64, beside the roof: the split timed by wrapping the model's
+    kernels in the Python layer loop, the step as served (decode steps of few rows run the layer stack as one C
+    call), and the bound: bytes of weights over the measured read bandwidth or FLOPs over the measured GEMM peak,
+    whichever is longer."""
+    import torch
+
+    import plait.runtime.layers.linear as layers
     import plait.runtime.models.llama as llama
     from plait.runtime.model_executor.forward_batch import ForwardMode
     from plait.runtime.model_executor.model_runner import WorkItem
-    from plait.runtime.sampling.sampler import SampleRow, sample
     from plait.runtime.sampling.params import SamplingParams
-
-    import plait.runtime.layers.linear as layers
+    from plait.runtime.sampling.sampler import SampleRow, sample
+    from plait.runtime.server_args import default_model_path
 
     # the matmuls with what they fuse (the norms before QKV and gate/up, the activation before down_proj)
-    parts = {"matmul": [(layers.Linear, n) for n in ("forward", "forward_normed", "forward_add_normed",
-                                                     "forward_act_mul")],
+    parts = {"matmul": [(cls, n) for cls in (layers.QKVLinear, layers.MergedColumnLinear, layers.RowLinear)
+                        for n in ("forward", "forward_normed", "forward_add_normed", "forward_act_mul")],
+             "LM head": [(layers.VocabEmbedding, "forward")],
              "attention": [(llama, "paged_attention")],
              "other kernels": [(llama, n) for n in ("rms_norm", "rope_store")]}
     spent: dict[str, float] = {}
@@ -487,7 +524,7 @@ def _breakdown(runner, ids: list[list[int]], ns) -> str:
 
     def wrap(owner, attr: str, key: str):
         fn = getattr(owner, attr)
-        originals.append((owner, attr, fn))
+        originals.append((owner, attr, owner.__dict__.get(attr)))
 
         def timed(*a, **k):
             t = time.perf_counter()
@@ -497,48 +534,73 @@ def _breakdown(runner, ids: list[list[int]], ns) -> str:
                 spent[key] = spent.get(key, 0.0) + time.perf_counter() - t
         setattr(owner, attr, timed)
 
-    for key, targets in parts.items():
-        for owner, attr in targets:
-            wrap(owner, attr, key)
-    lines = ["**One decode step, where the time goes** (default variant, prompts of ~200 tokens, ms per step)", "",
-             "| batch | step | matmul (with the norms and activation it fuses) | attention | other kernels | glue "
-             "| batch metadata | sampling |",
-             "|---|---|---|---|---|---|---|---|"]
-    import torch
-
+    bandwidth = read_bandwidth(ns.threads)
+    peak, peak_dtype = gemm_peak(ns.threads)
+    weight_bytes = decode_weight_bytes(default_model_path())
+    flops_per_token = 2 * _matmul_params(runner.model)
     params = SamplingParams(temperature=0, max_new_tokens=1)
     gen = torch.Generator().manual_seed(0)
-    try:
-        for batch in (1, 64):
-            rows = []
-            for b in range(batch):
-                p = ids[b % len(ids)]
-                rows.append((_row(runner, len(p) + 40), len(p)))
-                runner.forward([WorkItem(rows[-1][0], 0, p, [len(p) - 1])])
-            steps, total, meta, samp = 10, 0.0, 0.0, 0.0
-            spent.clear()
-            for s in range(steps):
-                items = [WorkItem(row, n + s, [42], [0], ForwardMode.DECODE) for row, n in rows]
-                t = time.perf_counter()
-                runner.build_batch(items)
-                meta += time.perf_counter() - t
-                t = time.perf_counter()
-                logits = runner.forward(items)
-                total += time.perf_counter() - t
-                t = time.perf_counter()
-                sample(logits, [SampleRow(params, gen, [], [], [], False, 0) for _ in items])
-                samp += time.perf_counter() - t
-            inner = sum(spent.values())
-            ms = lambda x: f"{1000 * x / steps:.2f}"  # noqa: E731
-            lines.append(f"| {batch} | {ms(total + samp)} | {ms(spent.get('matmul', 0))} | "
-                         f"{ms(spent.get('attention', 0))} | {ms(spent.get('other kernels', 0))} | "
-                         f"{ms(total - inner - meta)} | {ms(meta)} | {ms(samp)} |")
-            for row, n in rows:
-                _free(runner, row, n + 40)
-    finally:
-        for owner, attr, fn in originals:
-            setattr(owner, attr, fn)
-    return "\n".join(lines)
+    stack, steps = runner.model.decode_stack, 10
+    rows_out = []
+    for batch in (1, 16, 64):
+        rows = []
+        for b in range(batch):
+            p = ids[b % len(ids)]
+            rows.append((_row(runner, len(p) + 3 * steps), len(p)))
+            runner.forward([WorkItem(rows[-1][0], 0, p, [len(p) - 1])])
+
+        def step(s: int) -> tuple[float, float, float]:
+            items = [WorkItem(row, n + s, [42], [0], ForwardMode.DECODE) for row, n in rows]
+            t0 = time.perf_counter()
+            runner.build_batch(items)
+            t1 = time.perf_counter()
+            logits = runner.forward(items)
+            t2 = time.perf_counter()
+            sample(logits, [SampleRow(params, gen, [], [], [], False, 0) for _ in items])
+            return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+        # as served: the C stack where it takes the batch
+        served = sum(sum(step(s)) for s in range(steps))
+        # the split, in the loop
+        runner.model.decode_stack = None
+        for key, targets in parts.items():
+            for owner, attr in targets:
+                wrap(owner, attr, key)
+        spent.clear()
+        try:
+            meta = total = samp = 0.0
+            for s in range(steps, 2 * steps):
+                m, f, a = step(s)
+                meta, total, samp = meta + m, total + f, samp + a
+        finally:
+            runner.model.decode_stack = stack
+            for owner, attr, fn in reversed(originals):
+                if fn is None:
+                    delattr(owner, attr)
+                else:
+                    setattr(owner, attr, fn)
+            originals.clear()
+        for row, n in rows:
+            _free(runner, row, n + 3 * steps)
+        inner = sum(spent.values())
+        bound = max(weight_bytes / bandwidth, batch * flops_per_token / peak if peak else 0.0)
+        kind = "bandwidth" if weight_bytes / bandwidth >= (batch * flops_per_token / peak if peak else 0) else "GEMM"
+        ms = lambda x: f"{1000 * x / steps:.2f}"  # noqa: E731
+        rows_out.append(
+            f"| {batch} | {ms(served)} | {ms(total + meta + samp)} | {ms(spent.get('matmul', 0))} | "
+            f"{ms(spent.get('LM head', 0))} | {ms(spent.get('attention', 0))} | {ms(spent.get('other kernels', 0))} | "
+            f"{ms(total - inner)} | {ms(meta)} | {ms(samp)} | {1000 * bound:.2f} ({kind}) | "
+            f"{100 * bound * steps / served:.0f}% |")
+    return ["**One decode step against the roof** (default variant, prompts of ~200 tokens, ms per step; `served`: "
+            "as the server runs it, the layer stack as one C call where the batch has at most "
+            f"{stack.max_rows if stack is not None else 0} rows; the split is timed in the Python layer loop; the "
+            f"bound is the longer of {weight_bytes / 1e6:.0f} MB of weights over the read bandwidth "
+            f"({bandwidth / 1e9:.1f} GB/s, {ns.threads} threads) and {flops_per_token / 1e9:.2f} GFLOP a token over "
+            f"the GEMM peak ({peak / 1e9:.0f} GFLOP/s, oneDNN {peak_dtype} 2048 x 4096 x 2048), and the last column "
+            "the bound's share of the served step)", "",
+            "| batch | step, served | step, loop | matmul (with the norms and activation it fuses) | LM head | attention "
+            "| other kernels | glue | batch metadata | sampling | bound | served at |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows_out]
 
 
 def cpu_name() -> str:
