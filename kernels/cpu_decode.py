@@ -34,7 +34,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Proj), ("gate_up", _Proj), ("o", _Mat), ("down", _Mat),
                 ("input_norm", PTR), ("post_norm", PTR), ("attn_out_norm", PTR), ("mlp_out_norm", PTR),
                 ("k_pool", PTR), ("v_pool", PTR), ("k_row", _I64), ("k_head", _I64), ("v_row", _I64),
-                ("v_head", _I64), ("window", _I64), ("slot_set", _I64), ("rope_set", _I64), ("softcap", _F32)]
+                ("v_head", _I64), ("window", _I64), ("slot_set", _I64), ("rope_set", _I64), ("softcap", _F32),
+                ("q_norm", PTR), ("k_norm", PTR)]
 
 
 class _Step(ctypes.Structure):
@@ -71,6 +72,8 @@ class LayerSpec:
     windowed: bool  # its K/V live in the window slots (ForwardBatch.windowed)
     local_rope: bool  # rotates by the local rotary table
     softcap: float
+    q_norm: torch.Tensor | None = None  # per-head norms of q and k [head_dim] (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,7 @@ class DecodeLayers:
 
     @staticmethod
     def _layer(s: LayerSpec) -> _Layer:
-        for t in (s.input_norm, s.post_norm, s.attn_out_norm, s.mlp_out_norm):
+        for t in (s.input_norm, s.post_norm, s.attn_out_norm, s.mlp_out_norm, s.q_norm, s.k_norm):
             if t is not None and (t.dtype is not torch.float32 or not t.is_contiguous()):
                 raise ValueError("norm weights must be contiguous float32")
         if s.k_pool.stride(-1) != 1 or s.v_pool.stride(-1) != 1:
@@ -134,7 +137,8 @@ class DecodeLayers:
         return _Layer(_proj(s.qkv), _proj(s.gate_up), _mat(s.o), _mat(s.down), s.input_norm.data_ptr(),
                       s.post_norm.data_ptr(), _ptr(s.attn_out_norm), _ptr(s.mlp_out_norm), s.k_pool.data_ptr(),
                       s.v_pool.data_ptr(), s.k_pool.stride(1), s.k_pool.stride(0), s.v_pool.stride(1),
-                      s.v_pool.stride(0), s.window, int(s.windowed), int(s.local_rope), s.softcap)
+                      s.v_pool.stride(0), s.window, int(s.windowed), int(s.local_rope), s.softcap, _ptr(s.q_norm),
+                      _ptr(s.k_norm))
 
     def __call__(self, x: torch.Tensor, t: StepTables, invariant: bool) -> torch.Tensor:
         if x.dtype is not torch.float32 or not x.is_contiguous() or x.dim() != 2 or x.shape[1] != self.hidden:

@@ -1,5 +1,6 @@
 """Fused element-wise steps of a decoder layer on CPU (C kernel, `kernels/fused_ops.c`), each with
-its torch reference: rms_norm, residual add + rms_norm, silu(gate) * up (or gelu's), and RoPE on q and k with
+its torch reference: rms_norm, residual add + rms_norm, per-head q/k norms, silu(gate) * up (or gelu's), and RoPE
+on q and k with
 the K/V store into the pool. Where the kernel does not apply (no compiler, not float32 CPU, not
 contiguous rows) the reference runs."""
 
@@ -97,6 +98,19 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float
     return x, out
 
 
+def head_rms_norm_(qkv: torch.Tensor, start: int, heads: int, w: torch.Tensor, eps: float) -> None:
+    """The `heads` heads of qkv [T, width] from column `start` (each w.shape[0] wide) RMS-normed by w, in place."""
+    d = w.shape[0]
+    lib = _library()
+    if (lib is None or qkv.dtype is not torch.float32 or qkv.dim() != 2 or not qkv.is_contiguous()
+            or w.dtype is not torch.float32 or not w.is_contiguous() or start + heads * d > qkv.shape[1]):
+        part = qkv[:, start : start + heads * d].view(qkv.shape[0], heads, d)
+        part.copy_(F.rms_norm(part, (d,), w, eps))
+        return
+    lib.head_rms_norm(qkv[:, start:].data_ptr(), qkv.shape[0], qkv.shape[1], heads, d, w.data_ptr(), eps,
+                      torch.get_num_threads())
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _act_mul(gate_up, "silu_mul", silu_mul_ref)
 
@@ -132,5 +146,5 @@ def _fits(x: torch.Tensor, w: torch.Tensor) -> bool:
 def _library() -> ctypes.CDLL | None:
     return load_library("fused_ops", rms_norm=(PTR, PTR, PTR, I64, I64, F32, INT),
                         add_rms_norm=(PTR, PTR, PTR, PTR, I64, I64, F32, INT), silu_mul=(PTR, PTR, I64, I64, INT),
-                        gelu_mul=(PTR, PTR, I64, I64, INT),
+                        gelu_mul=(PTR, PTR, I64, I64, INT), head_rms_norm=(PTR, I64, I64, I64, I64, PTR, F32, INT),
                         rope_store=(PTR,) * 7 + (I64,) * 8 + (INT, INT))

@@ -34,6 +34,7 @@ typedef struct {
   int64_t slot_set;                           // which of the step's slot sets its K/V live in (0: full, 1: window)
   int64_t rope_set;                           // which of the step's rotary tables it rotates by (0: full, 1: local)
   float softcap;
+  const float *q_norm, *k_norm;  // per-head RMS norms of q and k [head_dim] before RoPE; NULL: none
 } Layer;
 
 // the batch: `rows` decode tokens, one per request
@@ -107,6 +108,11 @@ int decode_layers(const Layer *layers, int64_t count, const Step *s, float *x) {
     // a window layer's slots are the window set where the batch has one (the pool keeps every token otherwise)
     const int64_t set = l->slot_set && s->out_slots[1] ? 1 : 0, rs = l->rope_set;
     project(&l->qkv, x, m, h, RMS_NORM, l->input_norm, s->eps, NULL, wide, normed, part, threads, invariant);
+    if (l->q_norm) {
+      const int64_t width = (hq + 2 * hkv) * d;
+      head_rms_norm(wide, m, width, hq, d, l->q_norm, s->eps, threads);
+      head_rms_norm(wide + hq * d, m, width, hkv, d, l->k_norm, s->eps, threads);
+    }
     rope_store(wide, s->cos[rs], s->sin[rs], q, l->k_pool, l->v_pool, s->out_slots[set], m, hq, hkv, d, l->k_row,
                l->k_head, l->v_row, l->v_head, (int)s->kv_fmt, threads);
     paged_attention(q, l->k_pool, l->v_pool, s->kv_slots[set], NULL, s->kv_lens, attn, lse, m, hkv, hq / hkv, d, d,

@@ -37,6 +37,18 @@ void add_rms_norm(float *x, const float *y, const float *w, float *out, int64_t 
   }
 }
 
+// x[r, off + h d : off + (h + 1) d] = rms_norm(that) * w, in place, for heads h < heads of each row r (rows `stride`
+// floats apart): the per-head q/k norms of Qwen3 and Gemma 3, on their columns of a layer's qkv
+void head_rms_norm(float *x, int64_t rows, int64_t stride, int64_t heads, int64_t d, const float *w, float eps,
+                   int threads) {
+#pragma omp parallel for num_threads(pick_threads(rows * heads * d, threads))
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < heads; ++h) {
+      float *xh = x + r * stride + h * d;
+      scale_row(xh, w, rms_scale(xh, d, eps), xh, d);
+    }
+}
+
 // gu [rows, 2 n] holds gate | up; out [rows, n] = silu(gate) * up
 void silu_mul(const float *gu, float *out, int64_t rows, int64_t n, int threads) {
 #pragma omp parallel for num_threads(pick_threads(rows * n, threads))

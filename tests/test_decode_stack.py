@@ -1,9 +1,9 @@
 """Decode steps run the whole layer stack as one C call (kernels/decode_layers.c) where every layer fits it: the
 same kernels as the Python layer loop, in the same order, so the logits are the loop's bit for bit. Checked on
 tiny random architectures with block weights (Llama, Qwen 2's qkv bias, Mistral's sliding window, Gemma 2's
-sandwich norms, GeGLU, soft caps and window-only KV), on the default model, and on the packaged Qwen 2.5 Q4_K_M
-file (q and k in Q4_K beside v in Q6_K: a projection in parts); and where a layer does not fit (q/k norms), the
-loop runs.
+sandwich norms, GeGLU, soft caps and window-only KV, Gemma 3's and Qwen3's per-head q/k norms and Gemma 3's local
+rotary base), on the default model, and on the packaged Qwen 2.5 Q4_K_M file (q and k in Q4_K beside v in Q6_K: a
+projection in parts); and where a layer does not fit (OLMoE's experts), the loop runs.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def tiny_models(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     paths = {}
-    for name in ("llama2", "qwen2-qkv-bias", "mistral-sliding-window", "gemma2", "qwen3-qk-norm"):
+    for name in ("llama2", "qwen2-qkv-bias", "mistral-sliding-window", "gemma2", "gemma3", "qwen3-qk-norm", "olmoe"):
         torch.manual_seed(0)
         hf = AutoModelForCausalLM.from_config(_tiny_configs()[name]).eval()
         with torch.no_grad():  # non-trivial biases and norms
@@ -81,12 +81,13 @@ def tiny_models(tmp_path_factory):
 
 @needs_c
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-@pytest.mark.parametrize("name", ["llama2", "qwen2-qkv-bias", "mistral-sliding-window", "gemma2"])
+@pytest.mark.parametrize("name", ["llama2", "qwen2-qkv-bias", "mistral-sliding-window", "gemma2", "gemma3",
+                                  "qwen3-qk-norm"])
 def test_the_c_stack_gives_the_loops_logits_bit_for_bit(tiny_models, name, quantization):
     runner = _runner(str(tiny_models[name]), quantization=quantization)
     assert runner.model.decode_stack is not None
-    if name == "gemma2":
-        assert runner.window_layers  # the sliding layer reads its window slots (ForwardBatch.windowed)
+    if name.startswith("gemma"):
+        assert runner.window_layers  # sliding layers read their window slots (ForwardBatch.windowed)
     # three requests of different lengths, decoding past the window of 12
     prompts = _prompts(160, [5, 17, 30])
     stack, loop = _decode(runner, prompts, 20, True), _decode(runner, prompts, 20, False)
@@ -95,8 +96,8 @@ def test_the_c_stack_gives_the_loops_logits_bit_for_bit(tiny_models, name, quant
 
 
 def test_a_layer_the_stack_does_not_do_runs_the_loop(tiny_models):
-    runner = _runner(str(tiny_models["qwen3-qk-norm"]), quantization="int8")
-    assert runner.model.decode_stack is None  # q/k norms
+    runner = _runner(str(tiny_models["olmoe"]), quantization="int8")
+    assert runner.model.decode_stack is None  # experts; q/k norms over all heads; clipping
     assert torch.isfinite(_decode(runner, _prompts(160, [9]), 3, False)).all()
     flagged = _runner(str(tiny_models["llama2"]), quantization="int8", disable_native_decode=True)
     assert flagged.model.decode_stack is None

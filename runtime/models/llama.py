@@ -27,7 +27,7 @@ from torch import nn
 
 from plait.kernels import cpu_decode
 from plait.kernels.cpu_decode import DecodeLayers, StepTables
-from plait.kernels.cpu_fused import add_rms_norm, rms_norm, rope_store
+from plait.kernels.cpu_fused import add_rms_norm, head_rms_norm_, rms_norm, rope_store
 from plait.kernels.cpu_quant import GROUP, BlockTensor
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.distributed.group import SINGLE, Group, partition
@@ -191,13 +191,15 @@ class DecoderLayer(nn.Module):
         if self.window and fb.windowed is not None:  # this layer's K/V live in the window slots
             fb = fb.windowed
         cos, sin = rope.get(self.layer_type, rope[FULL])
-        t, inv = x.shape[0], fb.batch_invariant
+        inv = fb.batch_invariant
         qkv = self.qkv_proj.forward_normed(x, self.input_norm, self.eps, inv)
-        if self.q_norm is not None:  # RMS norm of q and k before RoPE, in place in qkv
+        if self.q_norm is not None and self.qk_norm == "head":
+            # per head (Qwen3, Gemma 3), before RoPE, in place in qkv (the C stack's kernel too: native_decode)
+            head_rms_norm_(qkv, 0, self.num_heads, self.q_norm, self.eps)
+            head_rms_norm_(qkv, self.q_size, self.num_kv_heads, self.k_norm, self.eps)
+        elif self.q_norm is not None:  # over all heads at once (OLMoE), before RoPE, in place in qkv
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
-            if self.qk_norm == "head":  # per head (Qwen3); else over all heads at once (OLMoE)
-                q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
-            if self.q_keep is not None:  # over all heads, which other ranks hold part of
+            if self.q_keep is not None:  # other ranks hold some of the heads
                 q.copy_(self._split_rms_norm(q, self.q_norm, self.q_full))
                 k.copy_(self._split_rms_norm(k, self.k_norm, self.kv_full))
             else:
@@ -242,13 +244,14 @@ class LlamaForCausalLM(nn.Module):
 
     def native_decode(self, pool: KVPool) -> DecodeLayers | None:
         """The layer stack as one C call for decode steps (kernels/cpu_decode.py), or None where a layer needs
-        what the C stack does not do: tensor parallelism, experts, q/k norms or clipping, weights other than
+        what the C stack does not do: tensor parallelism, experts, q/k norms over all heads, clipping, weights other than
         blocks of the C kernels (a float32 or bfloat16 weight goes through oneDNN or skinny_linear)."""
         if self.group.distributed or self.compute_dtype is not torch.float32:
             return None
         specs, max_rows = [], 1 << 30
         for layer in self.layers:
-            if layer.sparse is not None or layer.q_norm is not None or layer.clip_qkv is not None:
+            if (layer.sparse is not None or layer.clip_qkv is not None
+                    or (layer.q_norm is not None and layer.qk_norm != "head")):
                 return None
             mats = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
             projs = [_native_proj(m) for m in mats]
@@ -264,7 +267,8 @@ class LlamaForCausalLM(nn.Module):
                 None if layer.attn_out_norm is None else layer.attn_out_norm.data,
                 None if layer.mlp_out_norm is None else layer.mlp_out_norm.data,
                 pool.k[layer.layer_id], pool.v[layer.layer_id], layer.window, bool(layer.window),
-                sliding and self.rotary_local is not None, layer.softcap))
+                sliding and self.rotary_local is not None, layer.softcap,
+                None if layer.q_norm is None else layer.q_norm.data, None if layer.k_norm is None else layer.k_norm.data))
         first = self.layers[0]
         return DecodeLayers(specs, self.cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
                             first.eps, first.scale, self.cfg.hidden_act, max_rows)
