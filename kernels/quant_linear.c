@@ -365,6 +365,11 @@ static inline int64_t chunk_of(int64_t tiles, int *threads) {
 }
 
 #ifdef KMANY_BF16
+static void qmany_bf16(const KJob *j, const uint16_t *xb, int64_t n, int64_t m0, int64_t m1, uint16_t *buf,
+                       float *part, int fmt);
+static void qmany_bf16_tail(const KJob *j, const uint16_t *xb, int64_t row, int64_t m0, int64_t m1, float *wrow,
+                            int fmt);
+
 static void kquant_linear_bf16(float *x, const void *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
                                int fmt, int prologue, const float *norm_w, float eps, const float *residual,
                                int threads) {
@@ -398,7 +403,13 @@ static void kquant_linear_bf16(float *x, const void *w, const float *bias, float
         const int64_t stop = (c0 + chunk) * TILE_N < n ? (c0 + chunk) * TILE_N : n;
         for (int64_t nn = c0 * TILE_N; nn < stop; nn += TILE_N) {
           if (nn + TILE_N > stop) {
-            for (int64_t row_ = nn; row_ < stop; ++row_) kmany_bf16_tail(&j, xb, row_, m0, m1, wrow, fmt);
+            for (int64_t row_ = nn; row_ < stop; ++row_)
+              if (fmt >= Q4_K)
+                kmany_bf16_tail(&j, xb, row_, m0, m1, wrow, fmt);
+              else
+                qmany_bf16_tail(&j, xb, row_, m0, m1, wrow, fmt);
+          } else if (fmt < Q4_K) {
+            qmany_bf16(&j, xb, nn, m0, m1, buf, part, fmt);
           } else if (fmt == Q4_K) {
             kmany_bf16(&j, xb, nn, m0, m1, buf, part, Q4_K);
           } else if (fmt == Q5_K) {
@@ -484,6 +495,12 @@ void quant_linear(float *x, const void *w, const float *bias, float *y, int64_t 
     kquant_linear(x, w, bias, y, m, n, k, fmt, prologue, norm_w, eps, residual, threads, invariant);
     return;
   }
+#ifdef KMANY_BF16
+  if (m >= KMANY_MIN_ROWS && !invariant) {  // each tile decoded to bfloat16 once for all the rows, as the K formats
+    kquant_linear_bf16(x, w, bias, y, m, n, k, fmt, prologue, norm_w, eps, residual, threads);
+    return;
+  }
+#endif
   const int64_t G = k / QK, tiles = (n + TILE_N - 1) / TILE_N;
   char *buf = (char *)malloc((size_t)(2 * m * k + 2 * m * G * (int64_t)sizeof(float) + k * (int64_t)sizeof(float)));
   if (!buf) return;  // the caller's y stays unset only on an allocation failure, which torch would hit first
@@ -535,6 +552,34 @@ static inline __attribute__((always_inline)) void block_bf16(Block b, const int 
   for (int e = 0; e < QK; ++e) o[e] = f32_to_bf16(v[e]);
 #endif
 }
+
+#ifdef KMANY_BF16
+// kmany_bf16 for Q8_0 / Q4_1 / Q5_0: weight rows [n, n + 4) decoded to bfloat16 (as for the oneDNN copy) a chunk of
+// KMANY_KC columns at a time into buf, in kmany_bf16_rows' layout, then every input row of [m0, m1) against it
+static void qmany_bf16(const KJob *j, const uint16_t *xb, int64_t n, int64_t m0, int64_t m1, uint16_t *buf,
+                       float *part, int fmt) {
+  for (int64_t kc = 0; kc < j->k; kc += KMANY_KC) {
+    const int64_t len = j->k - kc < KMANY_KC ? j->k - kc : KMANY_KC;
+    for (int64_t g = kc / QK; g < (kc + len) / QK; ++g)
+      for (int c = 0; c < TILE_N; ++c)
+        block_bf16(block_in(j->w, j->k, n, 1, c, g, fmt), fmt, buf + ((g - kc / QK) * TILE_N + c) * QK);
+    int64_t m = m0;
+    for (; m + KMANY_R <= m1; m += KMANY_R) kmany_bf16_rows(j, xb, n, m, buf, kc, len, part, KMANY_R);
+    for (; m < m1; ++m) kmany_bf16_rows(j, xb, n, m, buf, kc, len, part, 1);
+  }
+}
+
+// a weight row past the last whole tile against bfloat16 input rows [m0, m1): its floats, one dot per input row
+static void qmany_bf16_tail(const KJob *j, const uint16_t *xb, int64_t row, int64_t m0, int64_t m1, float *wrow,
+                            int fmt) {
+  for (int64_t g = 0; g < j->k / QK; ++g) block_floats(block_in(j->w, j->k, row, 0, 0, g, fmt), fmt, wrow + g * QK);
+  for (int64_t m = m0; m < m1; ++m) {
+    float s = 0.f;
+    for (int64_t i = 0; i < j->k; ++i) s += bf16_to_f32(xb[m * j->k + i]) * wrow[i];
+    j->y[m * j->n + row] = s + (j->bias ? j->bias[row] : 0.f);
+  }
+}
+#endif
 
 // a Q8_0 / Q4_1 / Q5_0 weight in the kernel's layout as bfloat16 rows [n, k]: the tiles split between threads
 static void ldequant_bf16(const uint8_t *w, int64_t n, int64_t k, const int fmt, uint16_t *out, int threads) {

@@ -107,8 +107,9 @@ def test_a_layer_the_stack_does_not_do_runs_the_loop(tiny_models):
 def test_the_default_model_decodes_through_the_stack_with_the_loops_logits():
     runner = _runner(None)
     assert runner.model.decode_stack is not None and "q4_1" in runner.weight_formats
-    prompts = _prompts(30000, [40, 7, 90, 23])
-    for batch in (prompts[:1], prompts):
+    # 12 rows: past 8, block matmuls that need not be batch-invariant decode each weight tile to bfloat16 once
+    prompts = _prompts(30000, [40, 7, 90, 23, 5, 61, 12, 33, 8, 19, 70, 2])
+    for batch in (prompts[:1], prompts[:4], prompts):
         assert torch.equal(_decode(runner, batch, 6, True), _decode(runner, batch, 6, False))
 
 

@@ -78,7 +78,7 @@ def test_quant_linear_is_batch_invariant(fmt):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("fmt", [f for f in FORMATS if f.super_block], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("rows", [8, 21])
 def test_many_rows_off_the_invariant_path_stay_close(fmt, rows):
     """Calls that need not be batch-invariant may take a faster path for many rows (bfloat16 dot products on a CPU
