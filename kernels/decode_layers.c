@@ -50,6 +50,13 @@ typedef struct {
   int64_t threads, invariant;
 } Step;
 
+// the projection's output width: its parts' side by side
+static int64_t proj_width(const Proj *p) {
+  int64_t n = 0;
+  for (int64_t i = 0; i < p->parts; ++i) n += p->part[i].n;
+  return n;
+}
+
 // y [m, n] = prologue(x) [m, k] times the projection. Several parts take the prologue once, as MixedMethod does
 // (fused_ops.c's rms_norm / add_rms_norm into `normed`), then each part as is into `part`, copied into its columns.
 static void project(const Proj *p, float *x, int64_t m, int64_t k, int prologue, const float *norm_w, float eps,
@@ -67,8 +74,8 @@ static void project(const Proj *p, float *x, int64_t m, int64_t k, int prologue,
     add_rms_norm(x, residual, norm_w, normed, m, k, eps, threads);
     in = normed;
   }
-  int64_t n = 0, off = 0;
-  for (int64_t i = 0; i < p->parts; ++i) n += p->part[i].n;
+  const int64_t n = proj_width(p);
+  int64_t off = 0;
   for (int64_t i = 0; i < p->parts; ++i) {
     const Mat *a = &p->part[i];
     quant_linear(in, a->w, a->bias, part, m, a->n, k, (int)a->fmt, AS_IS, NULL, 0.f, NULL, threads, invariant);
@@ -78,12 +85,6 @@ static void project(const Proj *p, float *x, int64_t m, int64_t k, int prologue,
   if (p->bias)
     for (int64_t r = 0; r < m; ++r)
       for (int64_t j = 0; j < n; ++j) y[r * n + j] += p->bias[j];
-}
-
-static int64_t proj_width(const Proj *p) {
-  int64_t n = 0;
-  for (int64_t i = 0; i < p->parts; ++i) n += p->part[i].n;
-  return n;
 }
 
 // x [rows, hidden], the residual stream, carried through `count` layers in place. Returns 0, or -1 when scratch

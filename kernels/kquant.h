@@ -483,15 +483,21 @@ static inline __attribute__((always_inline)) void kmany_bf16(const KJob *j, cons
   }
 }
 
-// a weight row past the last whole tile against bfloat16 input rows [m0, m1): its floats, one dot per input row
-static void kmany_bf16_tail(const KJob *j, const uint16_t *xb, int64_t row, int64_t m0, int64_t m1, float *wrow,
-                            const int fmt) {
-  kquant_rows(j->w, &row, 1, j->n, j->k, fmt, wrow);
+// weight row `row`, as floats in wrow, against bfloat16 input rows [m0, m1): one dot per input row (a row past the
+// last whole tile, any format)
+static void many_bf16_row(const KJob *j, const uint16_t *xb, int64_t row, int64_t m0, int64_t m1, const float *wrow) {
   for (int64_t m = m0; m < m1; ++m) {
     float s = 0.f;
     for (int64_t i = 0; i < j->k; ++i) s += bf16_to_f32(xb[m * j->k + i]) * wrow[i];
     j->y[m * j->n + row] = s + (j->bias ? j->bias[row] : 0.f);
   }
+}
+
+// a weight row past the last whole tile against bfloat16 input rows [m0, m1)
+static void kmany_bf16_tail(const KJob *j, const uint16_t *xb, int64_t row, int64_t m0, int64_t m1, float *wrow,
+                            const int fmt) {
+  kquant_rows(j->w, &row, 1, j->n, j->k, fmt, wrow);
+  many_bf16_row(j, xb, row, m0, m1, wrow);
 }
 // the whole weight as bfloat16 rows [n, k] (for a GEMM library's many-row call; rows past the last whole tile
 // through their floats)

@@ -83,29 +83,6 @@ static inline __attribute__((always_inline)) void task_scalar(const Args *a, con
 }
 
 #ifdef __AVX2__
-// ob[g, d0 : d0 + 8 NV] += sum over keys j0 <= i < j1 of p_gi v_i[d0 : d0 + 8 NV]; G and NV are
-// compile-time constants at every call, so the accumulators stay in registers
-static inline __attribute__((always_inline)) void value_pass(float *ob, const void *vb, const int64_t *sl,
-                                                            int64_t vr, const float *scores, int64_t L, int64_t j0,
-                                                            int64_t j1, int64_t n, int64_t Dv, int64_t d0,
-                                                            const int G, const int NV, const int fmt) {
-  __m256 acc[8][4];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NV; ++c) acc[g][c] = _mm256_loadu_ps(ob + g * Dv + d0 + 8 * c);
-  for (int64_t i = j0; i < j1; ++i) {
-    const void *v0 = at(vb, sl[i] * vr + d0, fmt);
-    if (d0 == 0 && i + PREFETCH < n) prefetch_row(at(vb, sl[i + PREFETCH] * vr, fmt), Dv * ELEM(fmt));
-    __m256 y[4];
-    for (int c = 0; c < NV; ++c) y[c] = load8(at(v0, 8 * c, fmt), fmt);
-    for (int g = 0; g < G; ++g) {
-      const __m256 p = _mm256_broadcast_ss(scores + g * L + i);
-      for (int c = 0; c < NV; ++c) acc[g][c] = _mm256_fmadd_ps(p, y[c], acc[g][c]);
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(ob + g * Dv + d0 + 8 * c, acc[g][c]);
-}
-
 // scores[g * L + j] for j < n turned into softmax numerators in place, per query head g < G; each head's largest score
 // and the numerators' sum
 static inline void softmax_numerators(float *scores, int64_t L, int64_t n, int G, float *sums, float *maxs) {
@@ -130,68 +107,21 @@ static inline void softmax_numerators(float *scores, int64_t L, int64_t n, int G
   }
 }
 
-// one (query, kv head) task with G known at compile time; needs D % 8 == 0 and Dv % 8 == 0
-static inline __attribute__((always_inline)) void task_vec(const Args *a, const int64_t *sl, int64_t n, int64_t h,
-                                                          const float *qb, float *ob, float *lse, float *scores,
-                                                          const int G, const int fmt) {
-  const int64_t D = a->dim, Dv = a->vdim, L = a->max_len;
-  const void *kb = at(a->k, h * a->k_head, fmt), *vb = at(a->v, h * a->v_head, fmt);
-  const int64_t kr = a->k_row, vr = a->v_row;
-  // scores[g * L + j] = scale * q_g . k_j, four keys at a time
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const void *k0 = at(kb, sl[j] * kr, fmt), *k1 = at(kb, sl[j + 1] * kr, fmt), *k2 = at(kb, sl[j + 2] * kr, fmt),
-               *k3 = at(kb, sl[j + 3] * kr, fmt);
-    for (int64_t p = j + PREFETCH; p < j + PREFETCH + 4 && p < n; ++p) prefetch_row(at(kb, sl[p] * kr, fmt), D * ELEM(fmt));
-    __m256 acc[8][4];  // G <= 8; fixed size so it stays in registers
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 x0 = load8(at(k0, d, fmt), fmt), x1 = load8(at(k1, d, fmt), fmt), x2 = load8(at(k2, d, fmt), fmt),
-                   x3 = load8(at(k3, d, fmt), fmt);
-      for (int g = 0; g < G; ++g) {
-        const __m256 qv = _mm256_loadu_ps(qb + g * D + d);
-        acc[g][0] = _mm256_fmadd_ps(qv, x0, acc[g][0]);
-        acc[g][1] = _mm256_fmadd_ps(qv, x1, acc[g][1]);
-        acc[g][2] = _mm256_fmadd_ps(qv, x2, acc[g][2]);
-        acc[g][3] = _mm256_fmadd_ps(qv, x3, acc[g][3]);
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < 4; ++c) scores[g * L + j + c] = hsum(acc[g][c]) * a->scale;
-  }
-  for (; j < n; ++j) {
-    const void *k0 = at(kb, sl[j] * kr, fmt);
-    __m256 acc[8];
-    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 x0 = load8(at(k0, d, fmt), fmt);
-      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qb + g * D + d), x0, acc[g]);
-    }
-    for (int g = 0; g < G; ++g) scores[g * L + j] = hsum(acc[g]) * a->scale;
-  }
-  if (a->softcap > 0.f)
-    for (int g = 0; g < G; ++g) soft_cap(scores + g * L, n, a->softcap);
-  // softmax numerators in place; the sums normalise at the end
-  float sums[8], maxs[8];
-  softmax_numerators(scores, L, n, G, sums, maxs);
-  // out_g = sum_j p_gj v_j / sum_g. NV output vectors per pass over the keys (G * NV accumulators
-  // plus NV value loads fit AVX2's 16 registers); keys go in blocks small enough that the later
-  // passes over a block find its value rows in L1.
-  const int NV = G <= 2 ? 4 : (G <= 4 ? 2 : 1);
-  memset(ob, 0, sizeof(float) * (size_t)(G * Dv));
-  for (int64_t j0 = 0; j0 < n; j0 += VBLOCK) {
-    const int64_t j1 = j0 + VBLOCK < n ? j0 + VBLOCK : n;
-    int64_t d0 = 0;
-    for (; d0 + 8 * NV <= Dv; d0 += 8 * NV) value_pass(ob, vb, sl, vr, scores, L, j0, j1, n, Dv, d0, G, NV, fmt);
-    for (; d0 < Dv; d0 += 8) value_pass(ob, vb, sl, vr, scores, L, j0, j1, n, Dv, d0, G, 1, fmt);
-  }
-  for (int g = 0; g < G; ++g) {
-    const __m256 inv = _mm256_set1_ps(1.f / sums[g]);
-    for (int64_t d = 0; d < Dv; d += 8) _mm256_storeu_ps(ob + g * Dv + d, _mm256_mul_ps(_mm256_loadu_ps(ob + g * Dv + d), inv));
-  }
-  for (int g = 0; g < G; ++g) lse[g] = maxs[g] + logf(sums[g]);
-}
+// the vector bodies (attention_task.h) at eight lanes
+#define VEC __m256
+#define W 8
+#define VLOADF load8
+#define VLOADU _mm256_loadu_ps
+#define VSTOREU _mm256_storeu_ps
+#define VZERO _mm256_setzero_ps
+#define VSET1 _mm256_set1_ps
+#define VFMADD _mm256_fmadd_ps
+#define VMUL _mm256_mul_ps
+#define VSUM hsum
+#define NV_OF(G) ((G) <= 2 ? 4 : ((G) <= 4 ? 2 : 1))  // within AVX2's 16 registers
+#define VALUE_PASS value_pass
+#define TASK task_vec
+#include "attention_task.h"
 #endif
 
 #ifdef __AVX512F__
@@ -203,88 +133,21 @@ static inline __attribute__((always_inline)) __m512 load16(const void *p, const 
   return _mm512_loadu_ps((const float *)p);
 }
 
-// value_pass with sixteen lanes a vector
-static inline __attribute__((always_inline)) void value_pass512(float *ob, const void *vb, const int64_t *sl,
-                                                               int64_t vr, const float *scores, int64_t L, int64_t j0,
-                                                               int64_t j1, int64_t n, int64_t Dv, int64_t d0,
-                                                               const int G, const int NV, const int fmt) {
-  __m512 acc[8][4];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_loadu_ps(ob + g * Dv + d0 + 16 * c);
-  for (int64_t i = j0; i < j1; ++i) {
-    const void *v0 = at(vb, sl[i] * vr + d0, fmt);
-    if (d0 == 0 && i + PREFETCH < n) prefetch_row(at(vb, sl[i + PREFETCH] * vr, fmt), Dv * ELEM(fmt));
-    __m512 y[4];
-    for (int c = 0; c < NV; ++c) y[c] = load16(at(v0, 16 * c, fmt), fmt);
-    for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * L + i]);
-      for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(p, y[c], acc[g][c]);
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(ob + g * Dv + d0 + 16 * c, acc[g][c]);
-}
-
-// task_vec with sixteen lanes a vector (twice the multiply-adds an instruction, half the loads); needs D % 16 == 0
-// and Dv % 16 == 0
-static inline __attribute__((always_inline)) void task_vec512(const Args *a, const int64_t *sl, int64_t n, int64_t h,
-                                                             const float *qb, float *ob, float *lse, float *scores,
-                                                             const int G, const int fmt) {
-  const int64_t D = a->dim, Dv = a->vdim, L = a->max_len;
-  const void *kb = at(a->k, h * a->k_head, fmt), *vb = at(a->v, h * a->v_head, fmt);
-  const int64_t kr = a->k_row, vr = a->v_row;
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {  // scores, four keys at a time
-    const void *k0 = at(kb, sl[j] * kr, fmt), *k1 = at(kb, sl[j + 1] * kr, fmt), *k2 = at(kb, sl[j + 2] * kr, fmt),
-               *k3 = at(kb, sl[j + 3] * kr, fmt);
-    for (int64_t p = j + PREFETCH; p < j + PREFETCH + 4 && p < n; ++p) prefetch_row(at(kb, sl[p] * kr, fmt), D * ELEM(fmt));
-    __m512 acc[8][4];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 x0 = load16(at(k0, d, fmt), fmt), x1 = load16(at(k1, d, fmt), fmt),
-                   x2 = load16(at(k2, d, fmt), fmt), x3 = load16(at(k3, d, fmt), fmt);
-      for (int g = 0; g < G; ++g) {
-        const __m512 qv = _mm512_loadu_ps(qb + g * D + d);
-        acc[g][0] = _mm512_fmadd_ps(qv, x0, acc[g][0]);
-        acc[g][1] = _mm512_fmadd_ps(qv, x1, acc[g][1]);
-        acc[g][2] = _mm512_fmadd_ps(qv, x2, acc[g][2]);
-        acc[g][3] = _mm512_fmadd_ps(qv, x3, acc[g][3]);
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < 4; ++c) scores[g * L + j + c] = _mm512_reduce_add_ps(acc[g][c]) * a->scale;
-  }
-  for (; j < n; ++j) {
-    const void *k0 = at(kb, sl[j] * kr, fmt);
-    __m512 acc[8];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m512 x0 = load16(at(k0, d, fmt), fmt);
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qb + g * D + d), x0, acc[g]);
-    }
-    for (int g = 0; g < G; ++g) scores[g * L + j] = _mm512_reduce_add_ps(acc[g]) * a->scale;
-  }
-  if (a->softcap > 0.f)
-    for (int g = 0; g < G; ++g) soft_cap(scores + g * L, n, a->softcap);
-  float sums[8], maxs[8];
-  softmax_numerators(scores, L, n, G, sums, maxs);
-  // G * NV accumulators plus NV value loads fit AVX-512's 32 registers
-  const int NV = G <= 4 ? 4 : 2;
-  memset(ob, 0, sizeof(float) * (size_t)(G * Dv));
-  for (int64_t j0 = 0; j0 < n; j0 += VBLOCK) {
-    const int64_t j1 = j0 + VBLOCK < n ? j0 + VBLOCK : n;
-    int64_t d0 = 0;
-    for (; d0 + 16 * NV <= Dv; d0 += 16 * NV) value_pass512(ob, vb, sl, vr, scores, L, j0, j1, n, Dv, d0, G, NV, fmt);
-    for (; d0 < Dv; d0 += 16) value_pass512(ob, vb, sl, vr, scores, L, j0, j1, n, Dv, d0, G, 1, fmt);
-  }
-  for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.f / sums[g]);
-    for (int64_t d = 0; d < Dv; d += 16)
-      _mm512_storeu_ps(ob + g * Dv + d, _mm512_mul_ps(_mm512_loadu_ps(ob + g * Dv + d), inv));
-  }
-  for (int g = 0; g < G; ++g) lse[g] = maxs[g] + logf(sums[g]);
-}
+// the vector bodies at sixteen lanes: twice the multiply-adds an instruction, half the loads
+#define VEC __m512
+#define W 16
+#define VLOADF load16
+#define VLOADU _mm512_loadu_ps
+#define VSTOREU _mm512_storeu_ps
+#define VZERO _mm512_setzero_ps
+#define VSET1 _mm512_set1_ps
+#define VFMADD _mm512_fmadd_ps
+#define VMUL _mm512_mul_ps
+#define VSUM _mm512_reduce_add_ps
+#define NV_OF(G) ((G) <= 4 ? 4 : 2)  // within AVX-512's 32 registers
+#define VALUE_PASS value_pass512
+#define TASK task_vec512
+#include "attention_task.h"
 #endif
 
 // keys [j0, j0 + n) of one query's visible ones against kv head h: out [G, Dv] and lse [G], in storage format fmt (a

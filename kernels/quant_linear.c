@@ -573,11 +573,7 @@ static void qmany_bf16(const KJob *j, const uint16_t *xb, int64_t n, int64_t m0,
 static void qmany_bf16_tail(const KJob *j, const uint16_t *xb, int64_t row, int64_t m0, int64_t m1, float *wrow,
                             int fmt) {
   for (int64_t g = 0; g < j->k / QK; ++g) block_floats(block_in(j->w, j->k, row, 0, 0, g, fmt), fmt, wrow + g * QK);
-  for (int64_t m = m0; m < m1; ++m) {
-    float s = 0.f;
-    for (int64_t i = 0; i < j->k; ++i) s += bf16_to_f32(xb[m * j->k + i]) * wrow[i];
-    j->y[m * j->n + row] = s + (j->bias ? j->bias[row] : 0.f);
-  }
+  many_bf16_row(j, xb, row, m0, m1, wrow);
 }
 #endif
 
