@@ -156,36 +156,26 @@ static inline __attribute__((always_inline)) void run_part_fmt(const Args *a, co
                                                               int64_t h, float *ob, float *lse, float *scores,
                                                               const int fmt) {
   const float *qb = a->q + (qi * a->heads + h) * a->groups * a->dim;
-#ifdef __AVX512F__
-  if (a->dim % 16 == 0 && a->vdim % 16 == 0) {
-    switch (a->groups) {  // each case is task_vec512 specialised for its G
-      case 1: task_vec512(a, sl, n, h, qb, ob, lse, scores, 1, fmt); return;
-      case 2: task_vec512(a, sl, n, h, qb, ob, lse, scores, 2, fmt); return;
-      case 3: task_vec512(a, sl, n, h, qb, ob, lse, scores, 3, fmt); return;
-      case 4: task_vec512(a, sl, n, h, qb, ob, lse, scores, 4, fmt); return;
-      case 5: task_vec512(a, sl, n, h, qb, ob, lse, scores, 5, fmt); return;
-      case 6: task_vec512(a, sl, n, h, qb, ob, lse, scores, 6, fmt); return;
-      case 7: task_vec512(a, sl, n, h, qb, ob, lse, scores, 7, fmt); return;
-      case 8: task_vec512(a, sl, n, h, qb, ob, lse, scores, 8, fmt); return;
-      default: break;
-    }
+// `task` specialised for the group size G (a compile-time constant in each case); G > 8 falls through
+#define BY_GROUPS(task)                                                \
+  switch (a->groups) {                                                 \
+    case 1: task(a, sl, n, h, qb, ob, lse, scores, 1, fmt); return;    \
+    case 2: task(a, sl, n, h, qb, ob, lse, scores, 2, fmt); return;    \
+    case 3: task(a, sl, n, h, qb, ob, lse, scores, 3, fmt); return;    \
+    case 4: task(a, sl, n, h, qb, ob, lse, scores, 4, fmt); return;    \
+    case 5: task(a, sl, n, h, qb, ob, lse, scores, 5, fmt); return;    \
+    case 6: task(a, sl, n, h, qb, ob, lse, scores, 6, fmt); return;    \
+    case 7: task(a, sl, n, h, qb, ob, lse, scores, 7, fmt); return;    \
+    case 8: task(a, sl, n, h, qb, ob, lse, scores, 8, fmt); return;    \
+    default: break;                                                    \
   }
+#ifdef __AVX512F__
+  if (a->dim % 16 == 0 && a->vdim % 16 == 0) BY_GROUPS(task_vec512)
 #endif
 #ifdef __AVX2__
-  if (a->dim % 8 == 0 && a->vdim % 8 == 0) {
-    switch (a->groups) {  // each case is task_vec specialised for its G
-      case 1: task_vec(a, sl, n, h, qb, ob, lse, scores, 1, fmt); return;
-      case 2: task_vec(a, sl, n, h, qb, ob, lse, scores, 2, fmt); return;
-      case 3: task_vec(a, sl, n, h, qb, ob, lse, scores, 3, fmt); return;
-      case 4: task_vec(a, sl, n, h, qb, ob, lse, scores, 4, fmt); return;
-      case 5: task_vec(a, sl, n, h, qb, ob, lse, scores, 5, fmt); return;
-      case 6: task_vec(a, sl, n, h, qb, ob, lse, scores, 6, fmt); return;
-      case 7: task_vec(a, sl, n, h, qb, ob, lse, scores, 7, fmt); return;
-      case 8: task_vec(a, sl, n, h, qb, ob, lse, scores, 8, fmt); return;
-      default: break;
-    }
-  }
+  if (a->dim % 8 == 0 && a->vdim % 8 == 0) BY_GROUPS(task_vec)
 #endif
+#undef BY_GROUPS
   task_scalar(a, sl, n, h, qb, ob, lse, scores, fmt);
 }
 
