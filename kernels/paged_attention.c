@@ -125,14 +125,6 @@ static inline void softmax_numerators(float *scores, int64_t L, int64_t n, int G
 #endif
 
 #ifdef __AVX512F__
-// sixteen consecutive elements at p, as float32
-static inline __attribute__((always_inline)) __m512 load16(const void *p, const int fmt) {
-  if (fmt == FMT_BF16)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-  if (fmt == FMT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-  return _mm512_loadu_ps((const float *)p);
-}
-
 // the vector bodies at sixteen lanes: twice the multiply-adds an instruction, half the loads
 #define VEC __m512
 #define W 16
