@@ -11,9 +11,11 @@
 Blocks are llama.cpp's layouts (kernels/cpu_quant.py), so GGUF blocks load straight into the
 kernel's layout; float tensors are quantized when they load; blocks of another format are
 dequantized and requantized. A few-row matmul quantizes its input rows to int16 per block and takes
-exact integer dot products with each block (kernels/quant_linear.c). A many-row matmul (prefill,
-batches of more than 16 or 32 rows: BF16_GEMM_ROWS) over Q8_0/Q4_1/Q5_0 blocks goes to oneDNN with a float copy dequantized once at
-load, the fastest path there, unless --disable-packed-weights; over the K formats (Q4_K, Q5_K, Q6_K) it stays
+exact integer dot products with each block (kernels/quant_linear.c); from 8 rows, on a CPU with AVX512-BF16 and
+where batch invariance is not asked for, it decodes each weight tile to bfloat16 once for all the rows. A many-row
+matmul (prefill, batches of
+more than 16 or 32 rows: BF16_GEMM_ROWS) over Q8_0/Q4_1/Q5_0 blocks goes to oneDNN with a float copy dequantized
+once at load, the fastest path there, unless --disable-packed-weights; over the K formats (Q4_K, Q5_K, Q6_K) it stays
 with the kernel, which decodes each weight tile once for all the rows (bfloat16 dot products where the CPU
 has them): a K-quant model is not widened at load, and holds about its file's size.
 """

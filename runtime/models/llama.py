@@ -244,8 +244,8 @@ class LlamaForCausalLM(nn.Module):
 
     def native_decode(self, pool: KVPool) -> DecodeLayers | None:
         """The layer stack as one C call for decode steps (kernels/cpu_decode.py), or None where a layer needs
-        what the C stack does not do: tensor parallelism, experts, q/k norms over all heads, clipping, weights other than
-        blocks of the C kernels (a float32 or bfloat16 weight goes through oneDNN or skinny_linear)."""
+        what the C stack does not do: tensor parallelism, experts, q/k norms over all heads, clipping, weights
+        other than blocks of the C kernels (a float32 or bfloat16 weight goes through oneDNN or skinny_linear)."""
         if self.group.distributed or self.compute_dtype is not torch.float32:
             return None
         specs, max_rows = [], 1 << 30
@@ -268,7 +268,8 @@ class LlamaForCausalLM(nn.Module):
                 None if layer.mlp_out_norm is None else layer.mlp_out_norm.data,
                 pool.k[layer.layer_id], pool.v[layer.layer_id], layer.window, bool(layer.window),
                 sliding and self.rotary_local is not None, layer.softcap,
-                None if layer.q_norm is None else layer.q_norm.data, None if layer.k_norm is None else layer.k_norm.data))
+                None if layer.q_norm is None else layer.q_norm.data,
+                None if layer.k_norm is None else layer.k_norm.data))
         first = self.layers[0]
         return DecodeLayers(specs, self.cfg.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
                             first.eps, first.scale, self.cfg.hidden_act, max_rows)
