@@ -367,7 +367,7 @@ def quantize_input(x: torch.Tensor, block: int = GROUP) -> tuple[torch.Tensor, t
     g = x.float().reshape(x.shape[0], x.shape[1] // block, block)
     amax = g.abs().amax(-1)
     inv = torch.where(amax > 0, 32767 / amax, torch.zeros_like(amax))
-    return torch.round(g * inv[..., None]), amax / 32767, x.float().reshape(x.shape[0], -1, GROUP).sum(-1)
+    return torch.round(g * inv[..., None]), amax / 32767, x.float().reshape(x.shape[0], x.shape[1] // GROUP, GROUP).sum(-1)
 
 
 def _k_linear_ref(x: torch.Tensor, plain: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
@@ -486,22 +486,16 @@ def quant_rows(tiled: torch.Tensor, fmt: BlockFormat, ids: torch.Tensor) -> torc
     return out
 
 
-def dequantize_bf16(tiled: torch.Tensor, fmt: BlockFormat) -> torch.Tensor | None:
-    """A weight in the kernel's layout as bfloat16 [N, K] (for a GEMM library's many-row call), by the C kernel: any
-    format on a CPU with AVX512-BF16, Q8_0 / Q4_1 / Q5_0 on any; else None."""
+def bf16_panels() -> bool:
+    """Whether the kernel's non-invariant many-row calls take bfloat16 dot products (a build for AVX512-BF16)."""
     lib = _library()
-    if lib is None or not tiled.is_contiguous():
-        return None
-    k = tiled.shape[1] // fmt.block_bytes * fmt.block_size
-    out = torch.empty(tiled.shape[0], k, dtype=torch.bfloat16)
-    ok = lib.quant_dequant_bf16(tiled.data_ptr(), tiled.shape[0], k, fmt.code, out.data_ptr(), torch.get_num_threads())
-    return out if ok else None
+    return lib is not None and bool(lib.quant_bf16_panels())
 
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     lib = load_library("quant_linear", quant_linear=(PTR, PTR, PTR, PTR, I64, I64, I64, INT, INT, PTR, F32, PTR, INT, INT),
-                       quant_rows=(PTR, PTR, I64, I64, I64, INT, PTR), quant_dequant_bf16=(PTR, I64, I64, INT, PTR, INT))
+                       quant_rows=(PTR, PTR, I64, I64, I64, INT, PTR), quant_bf16_panels=())
     if lib is not None:
-        lib.quant_dequant_bf16.restype = ctypes.c_int
+        lib.quant_bf16_panels.restype = ctypes.c_int
     return lib

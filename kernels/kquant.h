@@ -390,11 +390,9 @@ static inline __attribute__((always_inline)) void kmany(const KJob *j, int64_t n
 #endif
 
 #if defined(__AVX512BF16__)
-// Many rows on a CPU with bfloat16 dot products: each tile's weights are dequantized once (d sc q - dmin m, rounded
-// to bfloat16) into scratch, laid out [32-weight chunk][row][32], and the input rows, rounded to bfloat16 once per
-// call, stream past them with vdpbf16ps into float accumulators: no per-block finishing, so this runs at the
-// speed of a float GEMM (oneDNN's bfloat16 path without its copy of the weights). Its sums round differently from
-// the integer path's: calls that must be batch-invariant never take it.
+// Many rows on a CPU with bfloat16 dot products: the weights are dequantized once per call (d sc q - dmin m, rounded
+// to bfloat16) a panel of 16 rows at a time (bf16_panel.h), and the input rows, rounded to bfloat16 once per call,
+// stream past each panel: a float GEMM's speed without a lasting copy of the weights.
 // row c's sub-blocks 2p and 2p + 1 dequantized (d sc q - dmin m) and rounded to bfloat16, stored at dst[0], dst[1]
 static inline __attribute__((always_inline)) void kpair_bf16(const KTileBlock *t, int c, int p, uint16_t *const *dst,
                                                              const int fmt) {
@@ -431,55 +429,30 @@ static inline __attribute__((always_inline)) void kpair_bf16(const KTileBlock *t
   }
 }
 
-#define KMANY_KC 2048  // input columns per pass: a 4-row tile's bfloat16 chunk (16 KB) stays in L1
+#include "bf16_panel.h"
 
-// rows [m, m + R) against the dequantized chunk of columns [kc, kc + len); the accumulators carry over chunks in
-// `part` (the first chunk starts them at zero), and the last chunk writes the outputs
-static inline __attribute__((always_inline)) void kmany_bf16_rows(const KJob *j, const uint16_t *xb, int64_t n,
-                                                                  int64_t m, const uint16_t *buf, int64_t kc,
-                                                                  int64_t len, float *part, const int R) {
-  __m512 acc[KMANY_R][TILE_N];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < TILE_N; ++c)
-      acc[r][c] = kc == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(part + ((m + r) * TILE_N + c) * 16);
-  for (int64_t q = 0; q < len / 32; ++q) {
-    __m512bh x[KMANY_R];
-    for (int r = 0; r < R; ++r) x[r] = (__m512bh)_mm512_loadu_si512((const void *)(xb + (m + r) * j->k + kc + 32 * q));
-    for (int c = 0; c < TILE_N; ++c) {
-      const __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(buf + (q * TILE_N + c) * 32));
-      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, x[r]);
-    }
-  }
-  const int last = kc + len == j->k;
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < TILE_N; ++c) {
-      if (last)
-        j->y[(m + r) * j->n + n + c] = _mm512_reduce_add_ps(acc[r][c]) + (j->bias ? j->bias[n + c] : 0.f);
-      else
-        _mm512_storeu_ps(part + ((m + r) * TILE_N + c) * 16, acc[r][c]);
-    }
-}
-
-// weight rows [n, n + 4) against bfloat16 input rows [m0, m1), a chunk of KMANY_KC columns at a time: scratch holds
-// the chunk's dequantized weights, `part` each input row's partial sums (rows m0..m1 of it)
-static inline __attribute__((always_inline)) void kmany_bf16(const KJob *j, const uint16_t *xb, int64_t n,
-                                                             int64_t m0, int64_t m1, uint16_t *buf, float *part,
-                                                             const int fmt) {
-  for (int64_t kc = 0; kc < j->k; kc += KMANY_KC) {
-    const int64_t len = j->k - kc < KMANY_KC ? j->k - kc : KMANY_KC;
-    for (int64_t g = kc / QKK; g < (kc + len) / QKK; ++g) {
-      KTileBlock t;
-      kprep512(j, n, g, &t, fmt);
-      const int64_t gl = g - kc / QKK;  // the block's place in the chunk
-      for (int c = 0; c < TILE_N; ++c)
-        for (int p = 0; p < 4; ++p) {
-          uint16_t *dst[2] = {buf + ((gl * 8 + 2 * p) * TILE_N + c) * 32, buf + ((gl * 8 + 2 * p + 1) * TILE_N + c) * 32};
-          kpair_bf16(&t, c, p, dst, fmt);
+// the panel chunk [kc, kc + len) of weight rows [n, n + 4 tiles): each row's sub-blocks dequantized to bfloat16 (the
+// rows of missing tiles zero)
+static inline __attribute__((always_inline)) void kpanel_fill(const KJob *j, int64_t n, int tiles, int64_t kc,
+                                                              int64_t len, uint16_t *panel, const int fmt) {
+  uint16_t pair[4][2][32] __attribute__((aligned(64)));
+  memset(pair, 0, sizeof(pair));
+  for (int64_t g = kc / QKK; g < (kc + len) / QKK; ++g) {
+    KTileBlock t[4];
+    for (int c = 0; c < tiles; ++c) kprep512(j, n + TILE_N * c, g, &t[c], fmt);
+    for (int r = 0; r < TILE_N; ++r)
+      for (int p = 0; p < 4; ++p) {
+        for (int c = 0; c < tiles; ++c) {
+          uint16_t *const dst[2] = {pair[c][0], pair[c][1]};
+          kpair_bf16(&t[c], r, p, dst, fmt);
         }
-    }
-    int64_t m = m0;
-    for (; m + KMANY_R <= m1; m += KMANY_R) kmany_bf16_rows(j, xb, n, m, buf, kc, len, part, KMANY_R);
-    for (; m < m1; ++m) kmany_bf16_rows(j, xb, n, m, buf, kc, len, part, 1);
+        const int64_t kb = (g * QKK - kc) / 32 + 2 * p;
+        for (int h = 0; h < 2; ++h) {
+          __m512i v[4];
+          for (int c = 0; c < 4; ++c) v[c] = _mm512_load_si512((const void *)pair[c][h]);
+          panel_put4(panel, kb + h, r, v);
+        }
+      }
   }
 }
 
@@ -498,36 +471,6 @@ static void kmany_bf16_tail(const KJob *j, const uint16_t *xb, int64_t row, int6
                             const int fmt) {
   kquant_rows(j->w, &row, 1, j->n, j->k, fmt, wrow);
   many_bf16_row(j, xb, row, m0, m1, wrow);
-}
-// the whole weight as bfloat16 rows [n, k] (for a GEMM library's many-row call; rows past the last whole tile
-// through their floats)
-static void kdequant_bf16(const uint8_t *w, int64_t n, int64_t k, const int fmt, uint16_t *out, int threads) {
-  const KJob j = {NULL, NULL, NULL, NULL, w, NULL, 0, n, k};
-  const int64_t n4 = n / TILE_N * TILE_N;
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(static)
-    for (int64_t nn = 0; nn < n4; nn += TILE_N)
-      for (int64_t g = 0; g < k / QKK; ++g) {
-        KTileBlock t;
-        kprep512(&j, nn, g, &t, fmt);
-        for (int c = 0; c < TILE_N; ++c)
-          for (int p = 0; p < 4; ++p) {
-            uint16_t *row = out + (nn + c) * k + g * QKK + 64 * p;
-            uint16_t *dst[2] = {row, row + 32};
-            kpair_bf16(&t, c, p, dst, fmt);
-          }
-      }
-#pragma omp single
-    {
-      float *wrow = (float *)malloc((size_t)k * sizeof(float));
-      for (int64_t row = n4; row < n && wrow; ++row) {
-        kquant_rows(w, &row, 1, n, k, fmt, wrow);
-        for (int64_t i = 0; i < k; ++i) out[row * k + i] = f32_to_bf16(wrow[i]);
-      }
-      free(wrow);
-    }
-  }
 }
 #define KMANY_BF16 1
 #endif

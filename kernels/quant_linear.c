@@ -364,63 +364,137 @@ static inline int64_t chunk_of(int64_t tiles, int *threads) {
   return tiles / (8 * *threads) > 1 ? tiles / (8 * *threads) : 1;
 }
 
+// block b's 32 weights as floats (as cpu_quant.dequantize computes them)
+static inline __attribute__((always_inline)) void block_floats(Block b, const int fmt, float *o) {
+  const float d = half(b.d);
+  if (fmt == Q8_0) {
+    for (int e = 0; e < QK; ++e) o[e] = (float)(int8_t)b.q[e] * d;
+  } else if (fmt == Q5_0) {
+    const uint32_t hi = load_u32(b.m);
+    for (int e = 0; e < QK; ++e)
+      o[e] = (float)((e < 16 ? b.q[e] & 0xF : b.q[e - 16] >> 4) + (int)((hi >> e) & 1) * 16 - 16) * d;
+  } else {
+    const float mn = half(b.m);
+    for (int e = 0; e < QK; ++e) o[e] = fmaf((float)(e < 16 ? b.q[e] & 0xF : b.q[e - 16] >> 4), d, mn);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// block b's 32 weights as bfloat16 in a vector, rounded to nearest even as f32_to_bf16 rounds. Q4_1 and Q5_0 have
+// 16 and 32 possible values per block: those are computed (as floats, then rounded) into a table that one word
+// permute indexes with the block's integers.
+static inline __attribute__((always_inline)) __m512i block_bf16v(Block b, const int fmt) {
+  const __m512 d = _mm512_set1_ps(half(b.d));
+  if (fmt == Q8_0) {
+    const __m128i q0 = _mm_loadu_si128((const __m128i *)b.q), q1 = _mm_loadu_si128((const __m128i *)(b.q + 16));
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  }
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i q = block_ints512(b.q, b.m, Q4_1);  // the low 4 bits
+  __m512i table;
+  if (fmt == Q4_1) {
+    const __m512 v = _mm512_fmadd_ps(iota, d, _mm512_set1_ps(half(b.m)));
+    table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
+  } else {  // Q5_0: index q + 16 (bit 4) for the value d (index - 16)
+    q = _mm512_mask_add_epi16(q, (__mmask32)load_u32(b.m), q, _mm512_set1_epi16(16));
+    table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(iota, d),
+                                          _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(16.f)), d));
+  }
+  return _mm512_permutexvar_epi16(q, table);
+}
+#endif
+
 #ifdef KMANY_BF16
-static void qmany_bf16(const KJob *j, const uint16_t *xb, int64_t n, int64_t m0, int64_t m1, uint16_t *buf,
-                       float *part, int fmt);
+// the panel chunk [kc, kc + len) of weight rows [n, n + 4 tiles) for Q8_0 / Q4_1 / Q5_0, decoded to bfloat16 (the rows
+// of missing tiles zero)
+static inline __attribute__((always_inline)) void qpanel_fill(const uint8_t *w, int64_t k, int64_t n, int tiles,
+                                                              int64_t kc, int64_t len, uint16_t *panel, const int fmt) {
+  for (int64_t g = kc / QK; g < (kc + len) / QK; ++g)
+    for (int t = 0; t < TILE_N; ++t) {
+      __m512i v[4];
+      for (int c = 0; c < 4; ++c)
+        v[c] = c < tiles ? block_bf16v(block_in(w, k, n + TILE_N * c, 1, t, g, fmt), fmt) : _mm512_setzero_si512();
+      panel_put4(panel, g - kc / QK, t, v);
+    }
+}
+
+// a weight row past the last whole tile against bfloat16 input rows [m0, m1): its floats, one dot per input row
 static void qmany_bf16_tail(const KJob *j, const uint16_t *xb, int64_t row, int64_t m0, int64_t m1, float *wrow,
-                            int fmt);
+                            int fmt) {
+  for (int64_t g = 0; g < j->k / QK; ++g) block_floats(block_in(j->w, j->k, row, 0, 0, g, fmt), fmt, wrow + g * QK);
+  many_bf16_row(j, xb, row, m0, m1, wrow);
+}
+#endif
+
+#ifdef KMANY_BF16
+// weight rows [n0, n0 + 16) (`tiles` whole tiles of them) against bfloat16 input rows [m0, m1), a chunk of PANEL_KC
+// columns at a time decoded into `panel`
+static inline __attribute__((always_inline)) void panel_rows_of(const KJob *j, const uint16_t *xb, int64_t n0,
+                                                                int tiles, int64_t m0, int64_t m1, uint16_t *panel,
+                                                                const int fmt) {
+  const __mmask16 mask = (__mmask16)((1u << (TILE_N * tiles)) - 1);  // row 4c + t of the panel is in lane 4c + t
+  for (int64_t kc = 0; kc < j->k; kc += PANEL_KC) {
+    const int64_t len = j->k - kc < PANEL_KC ? j->k - kc : PANEL_KC;
+    if (fmt < Q4_K)
+      qpanel_fill(j->w, j->k, n0, tiles, kc, len, panel, fmt);
+    else
+      kpanel_fill(j, n0, tiles, kc, len, panel, fmt);
+    panel_pass(xb, j->k, j->n, panel, kc, len, m0, m1, j->y + n0, j->bias ? j->bias + n0 : NULL, mask);
+  }
+}
 
 static void kquant_linear_bf16(float *x, const void *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
                                int fmt, int prologue, const float *norm_w, float eps, const float *residual,
                                int threads) {
   uint16_t *xb = (uint16_t *)malloc((size_t)(m * k * 2));
-  float *row = (float *)malloc((size_t)k * sizeof(float));
-  if (!xb || !row) {
-    free(xb), free(row);
-    return;
-  }
-  for (int64_t r = 0; r < m; ++r) {  // each input row transformed, then rounded to bfloat16 once
-    const float *xr = prepare_row(x, r, k, prologue, norm_w, eps, residual, row);
-    for (int64_t i = 0; i < k; i += 32)
-      _mm512_storeu_si512((void *)(xb + r * k + i),
-                          (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + i + 16), _mm512_loadu_ps(xr + i)));
-  }
-  free(row);
+  if (!xb) return;
   const KJob j = {bias, NULL, NULL, NULL, (const uint8_t *)w, y, m, n, k};
-  const int64_t tiles = (n + TILE_N - 1) / TILE_N, chunk = chunk_of(tiles, &threads);
-  int64_t block = KMANY_BLOCK_BYTES / (2 * k) / KMANY_R * KMANY_R;
-  block = block < KMANY_R ? KMANY_R : block;
+  // whole tiles in panels of 16 rows (the last may hold fewer tiles), then the rows past the last whole tile
+  const int64_t n4 = n / TILE_N * TILE_N, panels = (n4 + PANEL_N - 1) / PANEL_N, items = panels + n - n4;
+  if (threads > items) threads = (int)items;
+  if (threads < 1) threads = 1;
+  int64_t block = PANEL_BLOCK_BYTES / (2 * k) / PANEL_MR * PANEL_MR;  // input rows per pass over the weights
+  block = block < PANEL_MR ? PANEL_MR : block;
 #pragma omp parallel num_threads(threads)
   {
-    // a chunk's dequantized tile, a weight row's floats (rows past the last tile), each input row's partial sums
-    const int64_t kc = k < KMANY_KC ? k : KMANY_KC;
-    uint16_t *buf = (uint16_t *)malloc((size_t)(TILE_N * kc * 2 + (k + m * TILE_N * 16) * (int64_t)sizeof(float)));
-    float *wrow = (float *)(buf + TILE_N * kc), *part = wrow + k;
+    const int64_t kc = k < PANEL_KC ? k : PANEL_KC;
+    // the panel, a weight row's floats (rows past the last whole tile), a transformed input row
+    uint16_t *panel = (uint16_t *)aligned_alloc(64, (size_t)((PANEL_N * kc * 2 + 2 * k * 4 + 63) / 64 * 64));
+    float *wrow = (float *)(panel + PANEL_N * kc), *row = wrow + k;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; ++r) {  // each input row transformed, then rounded to bfloat16 once
+      const float *xr = prepare_row(x, r, k, prologue, norm_w, eps, residual, row);
+      for (int64_t i = 0; i < k; i += 32)
+        _mm512_storeu_si512((void *)(xb + r * k + i),
+                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + i + 16), _mm512_loadu_ps(xr + i)));
+    }
     for (int64_t m0 = 0; m0 < m; m0 += block) {
       const int64_t m1 = m0 + block < m ? m0 + block : m;
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t c0 = 0; c0 < tiles; c0 += chunk) {
-        const int64_t stop = (c0 + chunk) * TILE_N < n ? (c0 + chunk) * TILE_N : n;
-        for (int64_t nn = c0 * TILE_N; nn < stop; nn += TILE_N) {
-          if (nn + TILE_N > stop) {
-            for (int64_t row_ = nn; row_ < stop; ++row_)
-              if (fmt >= Q4_K)
-                kmany_bf16_tail(&j, xb, row_, m0, m1, wrow, fmt);
-              else
-                qmany_bf16_tail(&j, xb, row_, m0, m1, wrow, fmt);
-          } else if (fmt < Q4_K) {
-            qmany_bf16(&j, xb, nn, m0, m1, buf, part, fmt);
-          } else if (fmt == Q4_K) {
-            kmany_bf16(&j, xb, nn, m0, m1, buf, part, Q4_K);
-          } else if (fmt == Q5_K) {
-            kmany_bf16(&j, xb, nn, m0, m1, buf, part, Q5_K);
-          } else {
-            kmany_bf16(&j, xb, nn, m0, m1, buf, part, Q6_K);
-          }
+      for (int64_t i = 0; i < items; ++i) {
+        if (i >= panels) {
+          const int64_t r = n4 + i - panels;
+          if (fmt >= Q4_K)
+            kmany_bf16_tail(&j, xb, r, m0, m1, wrow, fmt);
+          else
+            qmany_bf16_tail(&j, xb, r, m0, m1, wrow, fmt);
+          continue;
+        }
+        const int64_t n0 = i * PANEL_N;
+        const int tiles = n4 - n0 < PANEL_N ? (int)((n4 - n0) / TILE_N) : PANEL_N / TILE_N;
+        switch (fmt) {  // one specialised fill per format
+          case Q8_0: panel_rows_of(&j, xb, n0, tiles, m0, m1, panel, Q8_0); break;
+          case Q4_1: panel_rows_of(&j, xb, n0, tiles, m0, m1, panel, Q4_1); break;
+          case Q5_0: panel_rows_of(&j, xb, n0, tiles, m0, m1, panel, Q5_0); break;
+          case Q4_K: panel_rows_of(&j, xb, n0, tiles, m0, m1, panel, Q4_K); break;
+          case Q5_K: panel_rows_of(&j, xb, n0, tiles, m0, m1, panel, Q5_K); break;
+          default: panel_rows_of(&j, xb, n0, tiles, m0, m1, panel, Q6_K); break;
         }
       }
     }
-    free(buf);
+    free(panel);
   }
   free(xb);
 }
@@ -523,89 +597,9 @@ void quant_linear(float *x, const void *w, const float *bias, float *y, int64_t 
   free(buf);
 }
 
-// block b's 32 weights as floats (as cpu_quant.dequantize computes them)
-static inline __attribute__((always_inline)) void block_floats(Block b, const int fmt, float *o) {
-  const float d = half(b.d);
-  if (fmt == Q8_0) {
-    for (int e = 0; e < QK; ++e) o[e] = (float)(int8_t)b.q[e] * d;
-  } else if (fmt == Q5_0) {
-    const uint32_t hi = load_u32(b.m);
-    for (int e = 0; e < QK; ++e)
-      o[e] = (float)((e < 16 ? b.q[e] & 0xF : b.q[e - 16] >> 4) + (int)((hi >> e) & 1) * 16 - 16) * d;
-  } else {
-    const float mn = half(b.m);
-    for (int e = 0; e < QK; ++e) o[e] = fmaf((float)(e < 16 ? b.q[e] & 0xF : b.q[e - 16] >> 4), d, mn);
-  }
-}
-
-// block b's 32 weights as bfloat16, rounded to nearest even as f32_to_bf16 rounds
-static inline __attribute__((always_inline)) void block_bf16(Block b, const int fmt, uint16_t *o) {
-#if defined(__AVX512BF16__)
-  const __m512i w = block_ints512(b.q, b.m, fmt);
-  const __m512 d = _mm512_set1_ps(half(b.d)), mn = _mm512_set1_ps(fmt == Q4_1 ? half(b.m) : 0.f);
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w, 1)));
-  _mm512_storeu_si512((void *)o, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, d, mn), _mm512_fmadd_ps(lo, d, mn)));
-#else
-  float v[QK];
-  block_floats(b, fmt, v);
-  for (int e = 0; e < QK; ++e) o[e] = f32_to_bf16(v[e]);
-#endif
-}
-
+// 1 where non-invariant calls of many rows take bfloat16 dot products (this build has AVX512-BF16), else 0
+int quant_bf16_panels(void) {
 #ifdef KMANY_BF16
-// kmany_bf16 for Q8_0 / Q4_1 / Q5_0: weight rows [n, n + 4) decoded to bfloat16 (as for the oneDNN copy) a chunk of
-// KMANY_KC columns at a time into buf, in kmany_bf16_rows' layout, then every input row of [m0, m1) against it
-static void qmany_bf16(const KJob *j, const uint16_t *xb, int64_t n, int64_t m0, int64_t m1, uint16_t *buf,
-                       float *part, int fmt) {
-  for (int64_t kc = 0; kc < j->k; kc += KMANY_KC) {
-    const int64_t len = j->k - kc < KMANY_KC ? j->k - kc : KMANY_KC;
-    for (int64_t g = kc / QK; g < (kc + len) / QK; ++g)
-      for (int c = 0; c < TILE_N; ++c)
-        block_bf16(block_in(j->w, j->k, n, 1, c, g, fmt), fmt, buf + ((g - kc / QK) * TILE_N + c) * QK);
-    int64_t m = m0;
-    for (; m + KMANY_R <= m1; m += KMANY_R) kmany_bf16_rows(j, xb, n, m, buf, kc, len, part, KMANY_R);
-    for (; m < m1; ++m) kmany_bf16_rows(j, xb, n, m, buf, kc, len, part, 1);
-  }
-}
-
-// a weight row past the last whole tile against bfloat16 input rows [m0, m1): its floats, one dot per input row
-static void qmany_bf16_tail(const KJob *j, const uint16_t *xb, int64_t row, int64_t m0, int64_t m1, float *wrow,
-                            int fmt) {
-  for (int64_t g = 0; g < j->k / QK; ++g) block_floats(block_in(j->w, j->k, row, 0, 0, g, fmt), fmt, wrow + g * QK);
-  many_bf16_row(j, xb, row, m0, m1, wrow);
-}
-#endif
-
-// a Q8_0 / Q4_1 / Q5_0 weight in the kernel's layout as bfloat16 rows [n, k]: the tiles split between threads
-static void ldequant_bf16(const uint8_t *w, int64_t n, int64_t k, const int fmt, uint16_t *out, int threads) {
-  const int64_t tiles = (n + TILE_N - 1) / TILE_N, n4 = n / TILE_N * TILE_N;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t t = 0; t < tiles; ++t)
-    for (int64_t g = 0; g < k / QK; ++g)
-      for (int c = 0; c < TILE_N && t * TILE_N + c < n; ++c) {
-        const int64_t row = t * TILE_N + c;
-        block_bf16(block_in(w, k, row < n4 ? t * TILE_N : row, row < n4, row < n4 ? c : 0, g, fmt), fmt,
-                   out + row * k + g * QK);
-      }
-}
-
-// The whole weight as bfloat16 rows [n, k] into out (for a GEMM library's many-row call); returns 0 where this
-// build cannot (a K format without AVX512-BF16).
-int quant_dequant_bf16(const void *w, int64_t n, int64_t k, int fmt, uint16_t *out, int threads) {
-  const uint8_t *b = (const uint8_t *)w;
-  switch (fmt) {
-    case Q8_0: ldequant_bf16(b, n, k, Q8_0, out, threads); return 1;
-    case Q4_1: ldequant_bf16(b, n, k, Q4_1, out, threads); return 1;
-    case Q5_0: ldequant_bf16(b, n, k, Q5_0, out, threads); return 1;
-    default: break;
-  }
-#ifdef KMANY_BF16
-  switch (fmt) {
-    case Q4_K: kdequant_bf16(b, n, k, Q4_K, out, threads); break;
-    case Q5_K: kdequant_bf16(b, n, k, Q5_K, out, threads); break;
-    default: kdequant_bf16(b, n, k, Q6_K, out, threads); break;
-  }
   return 1;
 #else
   return 0;

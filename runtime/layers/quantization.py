@@ -11,13 +11,13 @@
 Blocks are llama.cpp's layouts (kernels/cpu_quant.py), so GGUF blocks load straight into the
 kernel's layout; float tensors are quantized when they load; blocks of another format are
 dequantized and requantized. A few-row matmul quantizes its input rows to int16 per block and takes
-exact integer dot products with each block (kernels/quant_linear.c); from 8 rows, on a CPU with AVX512-BF16 and
-where batch invariance is not asked for, it decodes each weight tile to bfloat16 once for all the rows. A many-row
-matmul (prefill, batches of
-more than 16 or 32 rows: BF16_GEMM_ROWS) over Q8_0/Q4_1/Q5_0 blocks goes to oneDNN with a float copy dequantized
-once at load, the fastest path there, unless --disable-packed-weights; over the K formats (Q4_K, Q5_K, Q6_K) it stays
-with the kernel, which decodes each weight tile once for all the rows (bfloat16 dot products where the CPU
-has them): a K-quant model is not widened at load, and holds about its file's size.
+exact integer dot products with each block (kernels/quant_linear.c). From 8 rows, on a CPU with AVX512-BF16 and
+where batch invariance is not asked for, the kernel decodes the weight to bfloat16 16 rows at a time for all the
+input rows (kernels/bf16_panel.h): as fast as oneDNN's bfloat16 GEMM over a float copy, so a model holds its weights
+once, at its file's size. On other CPUs a many-row matmul (prefill, batches of more than MAX_ROWS rows) over
+Q8_0/Q4_1/Q5_0 blocks goes to oneDNN with a float32 copy dequantized once at load, unless
+--disable-packed-weights; the K formats (Q4_K, Q5_K, Q6_K) stay with the kernel, which decodes each weight tile
+once for all the rows.
 """
 
 from __future__ import annotations
@@ -25,24 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from plait.kernels.cpu_linear import MAX_ROWS
-from plait.kernels.cpu_quant import (Q4_1, Q8_0, BlockFormat, BlockTensor, QuantMatmul, deinterleave, dequantize,
-                                     dequantize_bf16, interleave_, quant_rows, quantize)
+from plait.kernels.cpu_quant import (Q4_1, Q8_0, BlockFormat, BlockTensor, QuantMatmul, bf16_panels, deinterleave,
+                                     dequantize, interleave_, quant_rows, quantize)
 from plait.runtime.layers.linear import Linear, LinearMethod, UnquantizedMethod, empty_param, onednn_copy, \
-    onednn_linear, packed_dtype
+    onednn_linear
 
 QUANTIZATIONS = ("none", "auto", "int8", "int4")
-# rows from which a K-format matmul dequantizes its weight to bfloat16 for oneDNN's GEMM (fewer: the kernel's own
-# many-row path, which decodes tile by tile)
-GEMM_ROWS = 64
-# rows above which a Q8_0/Q4_1/Q5_0 matmul goes to oneDNN over its bfloat16 copy, on a CPU that multiplies bfloat16
-# natively: there the GEMM overtakes the block kernel from about 16 rows (measured on Zen 5 AVX512-BF16 with the
-# default model's decode steps: 12 rows 564 against 503 tok/s, 14-20 rows even, 24 rows 592 against 680); with a
-# float32 copy (AVX2, AVX-512 without BF16) at MAX_ROWS
-BF16_GEMM_ROWS = 16
-_PANEL_BYTES = 8 << 20  # bfloat16 weights dequantized at a time: well inside the L3 cache
 
 
 class MixedMethod(LinearMethod):
@@ -87,7 +77,8 @@ class MixedMethod(LinearMethod):
 
 
 class BlockQuantizedMethod(LinearMethod):
-    """The weight as blocks of `fmt` in the kernel's layout, with a oneDNN float copy for many rows."""
+    """The weight as blocks of `fmt` in the kernel's layout (with a oneDNN float32 copy for many rows on a CPU without
+    bfloat16 dot products)."""
 
     def __init__(self, fmt: BlockFormat, packed: bool = True):
         self.fmt, self.packed = fmt, packed
@@ -100,7 +91,6 @@ class BlockQuantizedMethod(LinearMethod):
         # plain blocks while loading; interleaved into the kernel's layout by finish_loading
         layer.qweight = empty_param(layer.out_features, self.fmt.row_bytes(layer.in_features), dtype=torch.uint8)
         layer.onednn = layer.qmatmul = None
-        layer.gemm = False
 
     def load_rows(self, layer: Linear, row: int, tensor: torch.Tensor | BlockTensor) -> None:
         if isinstance(tensor, BlockTensor) and tensor.fmt is self.fmt:
@@ -110,42 +100,16 @@ class BlockQuantizedMethod(LinearMethod):
         layer.qweight.data[row : row + blocks.shape[0]].copy_(blocks)
 
     def finish_loading(self, layer: Linear) -> None:
-        # no lasting float copy of the K formats (a Q4_K_M model holds about its file's size): their many-row
-        # calls dequantize the weight for the call (`_gemm`)
         interleave_(layer.qweight.data, self.fmt)
-        if self.packed and not self.fmt.super_block:
-            layer.onednn = onednn_copy(self._float_weight(layer.qweight.data), packed_dtype(torch.bfloat16))
         layer.qmatmul = QuantMatmul(layer.qweight.data, self.fmt, layer.bias)
-        layer.gemm = self.packed and self.fmt.super_block and packed_dtype(torch.bfloat16) is torch.bfloat16
-
-    def _float_weight(self, tiled: torch.Tensor) -> torch.Tensor:
-        """The weight for its float copy: straight to bfloat16 where the copy is bfloat16 (half the memory of a float32
-        step between), else float32."""
-        w = dequantize_bf16(tiled, self.fmt) if packed_dtype(torch.bfloat16) is torch.bfloat16 else None
-        return w if w is not None else dequantize(deinterleave(tiled, self.fmt), self.fmt)
+        # a float32 copy for oneDNN only where the kernel's many-row path is not as fast (no bfloat16 dot products)
+        if self.packed and not self.fmt.super_block and not bf16_panels():
+            layer.onednn = onednn_copy(dequantize(deinterleave(layer.qweight.data, self.fmt), self.fmt), torch.float32)
 
     def apply(self, layer: Linear, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
         if self._onednn(layer, x, batch_invariant):
-            if layer.onednn is not None:
-                return onednn_linear(x, layer.onednn, layer.bias)
-            return self._gemm(layer, x)
+            return onednn_linear(x, layer.onednn, layer.bias)
         return layer.qmatmul(x, batch_invariant)
-
-    def _gemm(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        """A K-format matmul of many rows: the weight dequantized to bfloat16 for this call, a panel of rows at a
-        time (each panel stays in cache for the GEMM that reads it), then oneDNN's bfloat16 GEMM: about as fast
-        as over a lasting copy, without its memory."""
-        xb, tiled = x.to(torch.bfloat16), layer.qweight.data
-        rows = max(4, _PANEL_BYTES // (2 * x.shape[1]) // 4 * 4)  # whole 4-row tiles
-        parts = []
-        for start in range(0, tiled.shape[0], rows):
-            w = dequantize_bf16(tiled[start : start + rows], self.fmt)
-            if w is None:  # this build has no bfloat16 path after all
-                layer.gemm = False
-                return layer.qmatmul(x, False)
-            parts.append(F.linear(xb, w))
-        y = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).float()
-        return y if layer.bias is None else y + layer.bias
 
     def apply_normed(self, layer: Linear, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
                      batch_invariant: bool) -> torch.Tensor:
@@ -166,10 +130,8 @@ class BlockQuantizedMethod(LinearMethod):
 
     @staticmethod
     def kernel_rows(layer: Linear) -> int:
-        """The most rows a call that need not be batch-invariant gives the block kernel (more go to a GEMM)."""
-        if layer.onednn is not None:
-            return BF16_GEMM_ROWS if layer.onednn.dtype is torch.bfloat16 else MAX_ROWS
-        return GEMM_ROWS - 1 if layer.gemm else 1 << 30
+        """The most rows a call that need not be batch-invariant gives the block kernel (more go to oneDNN)."""
+        return MAX_ROWS if layer.onednn is not None else 1 << 30
 
     @classmethod
     def _onednn(cls, layer: Linear, x: torch.Tensor, batch_invariant: bool) -> bool:
