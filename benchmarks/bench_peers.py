@@ -592,9 +592,11 @@ def _breakdown(runner, ids: list[list[int]], ns) -> list[str]:
             f"{ms(spent.get('LM head', 0))} | {ms(spent.get('attention', 0))} | {ms(spent.get('other kernels', 0))} | "
             f"{ms(total - inner)} | {ms(meta)} | {ms(samp)} | {1000 * bound:.2f} ({kind}) | "
             f"{100 * bound * steps / served:.0f}% |")
+    where = ("nowhere" if stack is None else "for every decode batch" if stack.max_rows >= 1 << 20
+             else f"where the batch has at most {stack.max_rows} rows")
     return ["**One decode step against the roof** (default variant, prompts of ~200 tokens, ms per step; `served`: "
-            "as the server runs it, the layer stack as one C call where the batch has at most "
-            f"{stack.max_rows if stack is not None else 0} rows; the split is timed in the Python layer loop; the "
+            f"as the server runs it, the layer stack as one C call {where}; the split is timed in the Python layer "
+            "loop; the "
             f"bound is the longer of {weight_bytes / 1e6:.0f} MB of weights over the read bandwidth "
             f"({bandwidth / 1e9:.1f} GB/s, {ns.threads} threads) and {flops_per_token / 1e9:.2f} GFLOP a token over "
             f"the GEMM peak ({peak / 1e9:.0f} GFLOP/s, oneDNN {peak_dtype} 2048 x 4096 x 2048), and the last column "
