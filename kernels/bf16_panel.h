@@ -15,6 +15,7 @@
 #define PANEL_KC 1024  // weights of a row per decoded chunk: 16 rows x 1024 x 2 bytes = 32 KB, inside L1
 
 #define PANEL_BLOCK_BYTES (512 * 1024)  // bfloat16 input rows per pass over the weights: they stay in L2
+#define AMX_BLOCK_BYTES (1536 * 1024)  // the same for AMX, whose products outrun decoding the weights again each pass
 
 // row 4c + t's 32 weights of 32-weight block kb of the chunk, for c = 0..3 (bfloat16, in v[c]), into their places in
 // the panel: a 4 x 4 transpose of 128-bit lanes, so that group 4 kb + i's vector t gets lane i of each v[c]

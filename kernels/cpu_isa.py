@@ -2,10 +2,10 @@
 
 Levels, each a superset of the one before: `ref` (no C kernels: the torch references), `avx2`
 (AVX2 + FMA + F16C), `avx512` (+ AVX-512 F/BW/VL/DQ), `avx512_vnni` (+ VNNI int8 dot products),
-`avx512_bf16` (+ AVX-512 BF16).
+`avx512_bf16` (+ AVX-512 BF16), `amx` (+ AMX tiles with bfloat16 products).
 A kernel is compiled with exactly its level's flags (never -march=native), and the level and
 flags are part of its cache key, so a kernel built on one CPU is never loaded on another that
-lacks its instructions. `PLAIT_CPU_ISA=ref|avx2|avx512|avx512_vnni|avx512_bf16` forces a level (an error
+lacks its instructions. `PLAIT_CPU_ISA=ref|avx2|avx512|avx512_vnni|avx512_bf16|amx` forces a level (an error
 where the CPU lacks it). Non-x86 machines get `generic`: portable C, the kernels' scalar paths.
 """
 
@@ -15,11 +15,12 @@ import functools
 import os
 import platform
 
-LEVELS = ("ref", "avx2", "avx512", "avx512_vnni", "avx512_bf16")
+LEVELS = ("ref", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "amx")
 _AVX2 = frozenset({"avx2", "fma", "f16c"})
 _AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 _NEEDS = {"ref": frozenset(), "avx2": _AVX2, "avx512": _AVX512, "avx512_vnni": _AVX512 | {"avx512_vnni"},
-          "avx512_bf16": _AVX512 | {"avx512_bf16", "avx512_vnni"}}
+          "avx512_bf16": _AVX512 | {"avx512_bf16", "avx512_vnni"},
+          "amx": _AVX512 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"}}
 _FLAGS = {
     "generic": [],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -28,6 +29,8 @@ _FLAGS = {
                     "-mavx512vnni"],
     "avx512_bf16": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                     "-mavx512bf16", "-mavx512vnni"],
+    "amx": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+            "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"],
 }
 
 
@@ -76,6 +79,11 @@ def check_level(level: str) -> str:
         raise ValueError(f"PLAIT_CPU_ISA={level}: this CPU lacks {', '.join(missing) or 'that level'} "
                          f"(it supports {', '.join(levels)})")
     return level
+
+
+def native_bf16(level: str | None = None) -> bool:
+    """Whether `level` (default: the selected one) has bfloat16 dot products."""
+    return (selected() if level is None else level) in ("avx512_bf16", "amx")
 
 
 def compile_flags(level: str) -> list[str]:

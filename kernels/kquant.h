@@ -456,6 +456,25 @@ static inline __attribute__((always_inline)) void kpanel_fill(const KJob *j, int
   }
 }
 
+#if defined(__AMX_BF16__)
+// weight rows [n, n + 4 tiles) over the whole of K as AMX tiles (amx_panel.h): k-block b of row r at panel + 512 b +
+// 32 r, each row's sub-blocks dequantized to bfloat16
+static inline __attribute__((always_inline)) void kamx_fill(const KJob *j, int64_t n, int tiles, uint16_t *panel,
+                                                            const int fmt) {
+  for (int64_t g = 0; g < j->k / QKK; ++g) {
+    KTileBlock t[4];
+    for (int c = 0; c < tiles; ++c) kprep512(j, n + TILE_N * c, g, &t[c], fmt);
+    for (int c = 0; c < tiles; ++c)
+      for (int r = 0; r < TILE_N; ++r)
+        for (int p = 0; p < 4; ++p) {
+          uint16_t *at = panel + (g * QKK / 32 + 2 * p) * 512 + (TILE_N * c + r) * 32;
+          uint16_t *const dst[2] = {at, at + 512};
+          kpair_bf16(&t[c], r, p, dst, fmt);
+        }
+  }
+}
+#endif
+
 // weight row `row`, as floats in wrow, against bfloat16 input rows [m0, m1): one dot per input row (a row past the
 // last whole tile, any format)
 static void many_bf16_row(const KJob *j, const uint16_t *xb, int64_t row, int64_t m0, int64_t m1, const float *wrow) {

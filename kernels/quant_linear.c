@@ -420,6 +420,44 @@ static inline __attribute__((always_inline)) void qpanel_fill(const uint8_t *w, 
     }
 }
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include "amx_panel.h"
+#define KMANY_AMX 1
+
+// weight rows [n, n + 4 tiles) over the whole of K as AMX tiles (amx_panel.h: row r of a panel's half at 32 r in each
+// k-block's tile), for Q8_0 / Q4_1 / Q5_0
+static inline __attribute__((always_inline)) void qamx_fill(const uint8_t *w, int64_t k, int64_t n, int tiles,
+                                                            uint16_t *panel, const int fmt) {
+  for (int64_t g = 0; g < k / QK; ++g)
+    for (int c = 0; c < tiles; ++c)
+      for (int t = 0; t < TILE_N; ++t)
+        _mm512_store_si512((void *)(panel + g * 512 + (TILE_N * c + t) * 32),
+                           block_bf16v(block_in(w, k, n + TILE_N * c, 1, t, g, fmt), fmt));
+}
+
+// weight rows [n0, n0 + 32) (`tiles` whole tiles of them) decoded into `panel`, 16 rows to a half, against input-row
+// blocks [i0, i1)
+static inline __attribute__((always_inline)) void amx_rows_of(const KJob *j, const uint16_t *xv, int64_t n0,
+                                                              int tiles, int64_t i0, int64_t i1, uint16_t *panel,
+                                                              const int fmt) {
+  for (int h = 0; h < 2 && 4 * h < tiles; ++h) {
+    const int part = tiles - 4 * h < 4 ? tiles - 4 * h : 4;
+    if (fmt < Q4_K)
+      qamx_fill(j->w, j->k, n0 + 16 * h, part, panel + 16 * h * j->k, fmt);
+    else
+      kamx_fill(j, n0 + 16 * h, part, panel + 16 * h * j->k, fmt);
+  }
+  const __mmask16 mask[2] = {(__mmask16)((1u << (TILE_N * (tiles < 4 ? tiles : 4))) - 1),
+                             (__mmask16)((1u << (TILE_N * (tiles > 4 ? tiles - 4 : 0))) - 1)};
+  float *y = j->y + n0;
+  const float *bias = j->bias ? j->bias + n0 : NULL;
+  if (tiles > 4)
+    amx_pass32(xv, j->k / 32, panel, i0, i1, j->m, y, j->n, bias, mask);
+  else
+    amx_pass16(xv, j->k / 32, panel, i0, i1, j->m, y, j->n, bias, mask);
+}
+#endif
+
 // a weight row past the last whole tile against bfloat16 input rows [m0, m1): its floats, one dot per input row
 static void qmany_bf16_tail(const KJob *j, const uint16_t *xb, int64_t row, int64_t m0, int64_t m1, float *wrow,
                             int fmt) {
@@ -448,21 +486,40 @@ static inline __attribute__((always_inline)) void panel_rows_of(const KJob *j, c
 static void kquant_linear_bf16(float *x, const void *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
                                int fmt, int prologue, const float *norm_w, float eps, const float *residual,
                                int threads) {
-  uint16_t *xb = (uint16_t *)malloc((size_t)(m * k * 2));
-  if (!xb) return;
+#ifdef KMANY_AMX
+  const int amx = amx_ready();
+#else
+  const int amx = 0;
+#endif
+  const int64_t blocks16 = (m + 15) / 16;  // AMX's input-row blocks
+  uint16_t *xb = (uint16_t *)malloc((size_t)(m * k * 2)), *xv = NULL;
+  if (amx) xv = (uint16_t *)aligned_alloc(64, (size_t)(blocks16 * 16 * k * 2));
+  if (!xb || (amx && !xv)) {
+    free(xb), free(xv);
+    return;
+  }
   const KJob j = {bias, NULL, NULL, NULL, (const uint8_t *)w, y, m, n, k};
   // whole tiles in panels of 16 rows (the last may hold fewer tiles), then the rows past the last whole tile
-  const int64_t n4 = n / TILE_N * TILE_N, panels = (n4 + PANEL_N - 1) / PANEL_N, items = panels + n - n4;
+  const int64_t rows = amx ? 2 * PANEL_N : PANEL_N;  // weight rows per panel: AMX takes two halves of 16
+  const int64_t n4 = n / TILE_N * TILE_N, panels = (n4 + rows - 1) / rows, items = panels + n - n4;
   if (threads > items) threads = (int)items;
   if (threads < 1) threads = 1;
-  int64_t block = PANEL_BLOCK_BYTES / (2 * k) / PANEL_MR * PANEL_MR;  // input rows per pass over the weights
-  block = block < PANEL_MR ? PANEL_MR : block;
+  // input rows per pass over the weights, a multiple of what one pass over a panel takes (AMX: 4 blocks of 16)
+  const int64_t unit = amx ? 64 : PANEL_MR;
+  int64_t block = (amx ? AMX_BLOCK_BYTES : PANEL_BLOCK_BYTES) / (2 * k) / unit * unit;
+  block = block < unit ? unit : block;
 #pragma omp parallel num_threads(threads)
   {
-    const int64_t kc = k < PANEL_KC ? k : PANEL_KC;
-    // the panel, a weight row's floats (rows past the last whole tile), a transformed input row
-    uint16_t *panel = (uint16_t *)aligned_alloc(64, (size_t)((PANEL_N * kc * 2 + 2 * k * 4 + 63) / 64 * 64));
-    float *wrow = (float *)(panel + PANEL_N * kc), *row = wrow + k;
+    // the panel (the whole of K for AMX), a weight row's floats (rows past the last whole tile), a transformed input row
+    const int64_t kc = amx ? k : k < PANEL_KC ? k : PANEL_KC;
+    uint16_t *panel = (uint16_t *)aligned_alloc(64, (size_t)((rows * kc * 2 + 2 * k * 4 + 63) / 64 * 64));
+    float *wrow = (float *)(panel + rows * kc), *row = wrow + k;
+    if (amx) {
+      memset(panel, 0, (size_t)(rows * kc * 2));  // a last panel's missing rows: their sums are never stored
+#ifdef KMANY_AMX
+      amx_configure();
+#endif
+    }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; ++r) {  // each input row transformed, then rounded to bfloat16 once
       const float *xr = prepare_row(x, r, k, prologue, norm_w, eps, residual, row);
@@ -470,6 +527,12 @@ static void kquant_linear_bf16(float *x, const void *w, const float *bias, float
         _mm512_storeu_si512((void *)(xb + r * k + i),
                             (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + i + 16), _mm512_loadu_ps(xr + i)));
     }
+#ifdef KMANY_AMX
+    if (amx) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < blocks16; ++i) amx_inputs(xb, m, k, i, xv);
+    }
+#endif
     for (int64_t m0 = 0; m0 < m; m0 += block) {
       const int64_t m1 = m0 + block < m ? m0 + block : m;
 #pragma omp for schedule(dynamic, 1)
@@ -482,8 +545,22 @@ static void kquant_linear_bf16(float *x, const void *w, const float *bias, float
             qmany_bf16_tail(&j, xb, r, m0, m1, wrow, fmt);
           continue;
         }
-        const int64_t n0 = i * PANEL_N;
-        const int tiles = n4 - n0 < PANEL_N ? (int)((n4 - n0) / TILE_N) : PANEL_N / TILE_N;
+        const int64_t n0 = i * rows;
+        const int tiles = n4 - n0 < rows ? (int)((n4 - n0) / TILE_N) : (int)(rows / TILE_N);
+#ifdef KMANY_AMX
+        if (amx) {
+          const int64_t i0 = m0 / 16, i1 = (m1 + 15) / 16;
+          switch (fmt) {
+            case Q8_0: amx_rows_of(&j, xv, n0, tiles, i0, i1, panel, Q8_0); break;
+            case Q4_1: amx_rows_of(&j, xv, n0, tiles, i0, i1, panel, Q4_1); break;
+            case Q5_0: amx_rows_of(&j, xv, n0, tiles, i0, i1, panel, Q5_0); break;
+            case Q4_K: amx_rows_of(&j, xv, n0, tiles, i0, i1, panel, Q4_K); break;
+            case Q5_K: amx_rows_of(&j, xv, n0, tiles, i0, i1, panel, Q5_K); break;
+            default: amx_rows_of(&j, xv, n0, tiles, i0, i1, panel, Q6_K); break;
+          }
+          continue;
+        }
+#endif
         switch (fmt) {  // one specialised fill per format
           case Q8_0: panel_rows_of(&j, xb, n0, tiles, m0, m1, panel, Q8_0); break;
           case Q4_1: panel_rows_of(&j, xb, n0, tiles, m0, m1, panel, Q4_1); break;
@@ -494,9 +571,12 @@ static void kquant_linear_bf16(float *x, const void *w, const float *bias, float
         }
       }
     }
+#ifdef KMANY_AMX
+    if (amx) _tile_release();
+#endif
     free(panel);
   }
-  free(xb);
+  free(xb), free(xv);
 }
 #endif
 

@@ -279,6 +279,8 @@ def test_isa_level_is_checked_and_keys_the_cache(monkeypatch):
     assert cpu_isa.detect(frozenset()) == "ref"
     assert cpu_isa.detect(frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
                                      "avx512_bf16", "avx512_vnni"})) == "avx512_bf16"
+    assert cpu_isa.detect(frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                                     "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"})) == "amx"
     source = cpu_build.Path(cpu_build.__file__).with_name("fused_ops.c")
     built = {lvl: cpu_build._build(source, lvl) for lvl in cpu_isa.supported_levels() if lvl != "ref"}
     assert len(set(built.values())) == len(built)  # one cached library per level

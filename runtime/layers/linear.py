@@ -67,8 +67,7 @@ class PackedWeight:
 
 def packed_dtype(weight_dtype: torch.dtype) -> torch.dtype:
     """The dtype of oneDNN's blocked copy of a weight stored in `weight_dtype`."""
-    native_bf16 = cpu_isa.selected() == "avx512_bf16"
-    return torch.bfloat16 if weight_dtype == torch.bfloat16 and native_bf16 else torch.float32
+    return torch.bfloat16 if weight_dtype == torch.bfloat16 and cpu_isa.native_bf16() else torch.float32
 
 
 def onednn_copy(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
