@@ -540,7 +540,8 @@ def _breakdown(runner, ids: list[list[int]], ns) -> list[str]:
     flops_per_token = 2 * _matmul_params(runner.model)
     params = SamplingParams(temperature=0, max_new_tokens=1)
     gen = torch.Generator().manual_seed(0)
-    stack, steps = runner.model.decode_stack, 10
+    graph, steps = runner.model.graph, 10
+    stack = getattr(graph, "stack", None)
     rows_out = []
     for batch in (1, 16, 64):
         rows = []
@@ -563,7 +564,7 @@ def _breakdown(runner, ids: list[list[int]], ns) -> list[str]:
         # as served: the C stack where it takes the batch
         served = sum(sum(step(s)) for s in range(steps))
         # the split, in the loop
-        runner.model.decode_stack = None
+        runner.model.graph = None
         for key, targets in parts.items():
             for owner, attr in targets:
                 wrap(owner, attr, key)
@@ -574,7 +575,7 @@ def _breakdown(runner, ids: list[list[int]], ns) -> list[str]:
                 m, f, a = step(s)
                 meta, total, samp = meta + m, total + f, samp + a
         finally:
-            runner.model.decode_stack = stack
+            runner.model.graph = graph
             for owner, attr, fn in reversed(originals):
                 if fn is None:
                     delattr(owner, attr)

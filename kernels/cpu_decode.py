@@ -5,7 +5,8 @@ the K/V store, paged attention) with a few microseconds of Python around each; a
 as long as the kernels. `DecodeLayers` hands the same kernels the same inputs in the same order from C, so its
 result is the loop's bit for bit. It covers dense layers whose matmul weights are blocks the C kernels read
 (runtime/layers/quantization.py's BlockQuantizedMethod); the model builds it where every layer fits
-(LlamaForCausalLM.native_decode) and keeps the loop for everything else.
+(LlamaForCausalLM.native_decode), runtime/model_executor/graph_runner.py runs it for the decode steps it takes,
+and the loop runs everything else.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ def _runner(model_path: str | None, **kw) -> ModelRunner:
 
 def _decode(runner: ModelRunner, prompts: list[list[int]], steps: int, stack: bool) -> torch.Tensor:
     """Logits of `steps` decode steps of all prompts in one batch, with the C stack or the Python loop."""
-    saved = runner.model.decode_stack
-    runner.model.decode_stack = saved if stack else None
+    saved = runner.model.graph
+    runner.model.graph = saved if stack else None
     rows = []
     try:
         for p in prompts:
@@ -51,7 +51,7 @@ def _decode(runner: ModelRunner, prompts: list[list[int]], steps: int, stack: bo
             out.append(runner.forward(items))
         return torch.stack(out)
     finally:
-        runner.model.decode_stack = saved
+        runner.model.graph = saved
         for (row, n) in rows:
             runner.allocator.free(runner.req_to_token.table[row, : n + steps].clone())
             runner.req_to_token.free(row)
@@ -85,7 +85,7 @@ def tiny_models(tmp_path_factory):
                                   "qwen3-qk-norm"])
 def test_the_c_stack_gives_the_loops_logits_bit_for_bit(tiny_models, name, quantization):
     runner = _runner(str(tiny_models[name]), quantization=quantization)
-    assert runner.model.decode_stack is not None
+    assert runner.model.graph is not None
     if name.startswith("gemma"):
         assert runner.window_layers  # sliding layers read their window slots (ForwardBatch.windowed)
     # three requests of different lengths, decoding past the window of 12
@@ -97,16 +97,16 @@ def test_the_c_stack_gives_the_loops_logits_bit_for_bit(tiny_models, name, quant
 
 def test_a_layer_the_stack_does_not_do_runs_the_loop(tiny_models):
     runner = _runner(str(tiny_models["olmoe"]), quantization="int8")
-    assert runner.model.decode_stack is None  # experts; q/k norms over all heads; clipping
+    assert runner.model.graph is None  # experts; q/k norms over all heads; clipping
     assert torch.isfinite(_decode(runner, _prompts(160, [9]), 3, False)).all()
     flagged = _runner(str(tiny_models["llama2"]), quantization="int8", disable_native_decode=True)
-    assert flagged.model.decode_stack is None
+    assert flagged.model.graph is None
 
 
 @needs_c
 def test_the_default_model_decodes_through_the_stack_with_the_loops_logits():
     runner = _runner(None)
-    assert runner.model.decode_stack is not None and "q4_1" in runner.weight_formats
+    assert runner.model.graph is not None and "q4_1" in runner.weight_formats
     # 12 rows: past 8, block matmuls that need not be batch-invariant decode each weight tile to bfloat16 once
     prompts = _prompts(30000, [40, 7, 90, 23, 5, 61, 12, 33, 8, 19, 70, 2])
     for batch in (prompts[:1], prompts[:4], prompts):
@@ -116,7 +116,34 @@ def test_the_default_model_decodes_through_the_stack_with_the_loops_logits():
 @needs_c
 def test_a_projection_in_several_formats_runs_in_parts():
     runner = _runner(str(fetch("qwen2.5-coder-0.5b")))
-    qkv = runner.model.decode_stack.layers[0].qkv
+    qkv = runner.model.graph.stack.layers[0].qkv
     assert len(qkv.parts) > 1 and qkv.bias is not None  # Q4_K q and k beside Q6_K v; the qkv bias after them
     prompts = _prompts(30000, [33, 12])
     assert torch.equal(_decode(runner, prompts, 5, True), _decode(runner, prompts, 5, False))
+
+
+@needs_c
+def test_a_registered_graph_runner_takes_the_steps_it_claims(monkeypatch):
+    from plait.runtime.model_executor import graph_runner
+
+    runner = _runner(None)
+    native, calls = runner.model.graph, []
+
+    class Counting:  # the C stack, counting the steps it runs
+        name = "counting"
+
+        def takes(self, fb):
+            return native.takes(fb)
+
+        def run(self, x, fb, rope):
+            calls.append(fb.num_tokens)
+            return native.run(x, fb, rope)
+
+    monkeypatch.setattr(graph_runner, "GRAPH_RUNNERS",
+                        {"declines": lambda model, pool: None, "counting": lambda model, pool: Counting(),
+                         **graph_runner.GRAPH_RUNNERS})
+    runner.model.graph = graph_runner.build_graph_runner(runner.model, runner.kv_pool)
+    assert runner.model.graph.name == "counting"
+    prompts = _prompts(30000, [21, 8])
+    assert torch.equal(_decode(runner, prompts, 3, True), _decode(runner, prompts, 3, False))
+    assert calls == [2, 2, 2]  # the decode steps, not the prefills

@@ -15,6 +15,7 @@ from plait.radix_cache.memory_pool import KVAllocator, KVPool, ReqToTokenPool, W
 from plait.runtime.distributed import step_sync
 from plait.runtime.distributed.group import SINGLE, Group
 from plait.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode, build_group
+from plait.runtime.model_executor.graph_runner import build_graph_runner
 from plait.runtime.model_executor.threads import ThreadGovernor, apply
 from plait.runtime.model_config import SLIDING
 from plait.runtime.model_loader import load_model
@@ -90,8 +91,8 @@ class ModelRunner:
                               window_layers=self.window_layers, num_window_slots=num_window)
         self.allocator = (WindowedKVAllocator(num_slots, args.page_size, num_window) if self.window_layers
                           else KVAllocator(num_slots, args.page_size))
-        # decode steps of few rows: the whole layer stack in one C call where every layer fits it
-        self.model.decode_stack = None if args.disable_native_decode else self.model.native_decode(self.kv_pool)
+        # steps the layer stack runs as one unit (decode: one C call where every layer fits it)
+        self.model.graph = None if args.disable_native_decode else build_graph_runner(self.model, self.kv_pool)
         # a few spare rows: retracted and chunked requests hold rows beside the running ones
         self.req_to_token = ReqToTokenPool(args.max_running_requests + 8, self.context_length + 1)
         logger.info("KV pool: %d tokens%s (%.0f MiB)", self.allocator.capacity,
@@ -100,7 +101,7 @@ class ModelRunner:
         _release_freed_memory()
         logger.info("dtype %s, weights %s, KV %s%s; decode steps: %s; CPU kernels: %s", args.dtype,
                     "+".join(self.weight_formats), self.kv_dtype, ", batch-invariant" * self.batch_invariant,
-                    "one C call for the layer stack" if self.model.decode_stack is not None else "the layer loop",
+                    f"graph runner {self.model.graph.name}" if self.model.graph is not None else "the layer loop",
                     ", ".join(f"{k} {v}" for k, v in self.kernels.items()))
 
     def _kv_bytes_per_token(self) -> float:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.kernels import cpu_decode
-from plait.kernels.cpu_decode import DecodeLayers, StepTables
+from plait.kernels.cpu_decode import DecodeLayers
 from plait.kernels.cpu_fused import add_rms_norm, head_rms_norm_, rms_norm, rope_store
 from plait.kernels.cpu_quant import GROUP, BlockTensor
 from plait.radix_cache.memory_pool import KVPool
@@ -38,7 +38,8 @@ from plait.runtime.layers.moe import SparseMLP
 from plait.runtime.layers.quantization import BlockQuantizedMethod, QuantConfig
 from plait.runtime.layers.rotary import RotaryEmbedding
 from plait.runtime.model_config import FULL, SLIDING, ModelConfig
-from plait.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode, current_batch
+from plait.runtime.model_executor.forward_batch import current_batch
+from plait.runtime.model_executor.graph_runner import GraphRunner
 
 FINAL_HIDDEN = -1  # in a capture list: the last hidden state after the final norm (what EAGLE heads read)
 
@@ -239,8 +240,8 @@ class LlamaForCausalLM(nn.Module):
         # Gemma 3's sliding-window layers rotate with their own base
         self.rotary_local = None if cfg.rope_local is None else RotaryEmbedding(
             cfg.hf_config, cfg.head_dim, cfg.rope_local.theta, max_positions, compute_dtype, spec=cfg.rope_local)
-        # set by the model runner (native_decode): decode steps then run the layers as one C call
-        self.decode_stack: DecodeLayers | None = None
+        # set by the model runner (runtime/model_executor/graph_runner.py): the batches it takes skip the layer loop
+        self.graph: GraphRunner | None = None
 
     def native_decode(self, pool: KVPool) -> DecodeLayers | None:
         """The layer stack as one C call for decode steps (kernels/cpu_decode.py), or None where a layer needs
@@ -305,8 +306,8 @@ class LlamaForCausalLM(nn.Module):
         if self.rotary_local is not None:
             rope[SLIDING] = self.rotary_local.tables(fb.positions)
         taken: dict[int, torch.Tensor] = {}
-        if not capture and self.decode_stack is not None and _stack_takes(fb, self.decode_stack.max_rows):
-            x = self.decode_stack(x.contiguous(), _step_tables(fb, rope), fb.batch_invariant)
+        if not capture and self.graph is not None and self.graph.takes(fb):
+            x = self.graph.run(x, fb, rope)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, rope, pool)
@@ -348,21 +349,3 @@ def _native_proj(layer: nn.Module) -> cpu_decode.Proj | None:
     if len(parts) > 3 or not all(m is not None and cpu_decode.fits(m) and m.bias is None for m in parts):
         return None
     return cpu_decode.Proj(parts, None if layer.bias is None else layer.bias.data)
-
-
-def _stack_takes(fb: ForwardBatch, max_rows: int) -> bool:
-    """A batch the C layer stack runs: decode tokens alone, no shared-prefix split (the loop's cascade pass), and
-    few enough rows that every matmul of the loop would run the block kernel too (more go to a GEMM)."""
-    return (fb.mode is ForwardMode.DECODE and fb.extend is None and fb.decode is not None
-            and fb.decode.prefix_slots is None and (fb.num_tokens <= max_rows or fb.batch_invariant))
-
-
-def _step_tables(fb: ForwardBatch, rope: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> StepTables:
-    local = rope.get(SLIDING)
-    win = fb.windowed.decode if fb.windowed is not None else None
-    return StepTables(
-        (rope[FULL][0].contiguous(), None if local is None else local[0].contiguous()),
-        (rope[FULL][1].contiguous(), None if local is None else local[1].contiguous()),
-        (fb.out_slots.contiguous(), None if win is None else fb.windowed.out_slots.contiguous()),
-        (fb.decode.kv_slots.contiguous(), None if win is None else win.kv_slots.contiguous()),
-        fb.decode.kv_lens.contiguous())

@@ -506,7 +506,7 @@ class Scheduler:
             "kernels": self.runner.kernels,
             "weight_formats": self.runner.weight_formats,
             # decode steps of few rows run the layer stack as one C call (kernels/cpu_decode.py), else the loop
-            "decode_stack": "c" if self.runner.model.decode_stack is not None else "loop",
+            "decode_stack": self.runner.model.graph.name if self.runner.model.graph is not None else "loop",
             "num_retracted": self.num_retracted,
             "num_failed": self.num_failed,
             "num_kv_joins": self.num_kv_joins,

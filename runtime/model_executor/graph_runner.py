@@ -1,0 +1,91 @@
+"""Graph runners: a forward step's layer stack run as one unit instead of the Python layer loop.
+
+A runner says which batches it takes and runs the layer stack over them; the model's forward asks its
+runner first and keeps the loop for every batch the runner declines (and for steps that capture hidden
+states for a draft head). Runners register by name and `build_graph_runner` keeps the first that the
+model supports, so a captured or compiled step (CUDA graphs, torch.compile) plugs in as one more module.
+Today's runner, `c`, runs decode steps as one C call over the quantized blocks (kernels/cpu_decode.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from plait.kernels.cpu_decode import DecodeLayers, StepTables
+from plait.radix_cache.memory_pool import KVPool
+from plait.runtime.model_config import FULL, SLIDING
+from plait.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer kind -> (cos, sin) at the batch's positions
+
+
+class GraphRunner(Protocol):
+    name: str
+
+    def takes(self, fb: ForwardBatch) -> bool:
+        """Whether this runner runs the layer stack for batch `fb`."""
+
+    def run(self, x: torch.Tensor, fb: ForwardBatch, rope: Rope) -> torch.Tensor:
+        """The residual stream after the last layer, for the embedded tokens x [T, H]."""
+
+
+GraphFactory = Callable[[nn.Module, KVPool], "GraphRunner | None"]
+GRAPH_RUNNERS: dict[str, GraphFactory] = {}
+
+
+def register(name: str) -> Callable[[GraphFactory], GraphFactory]:
+    def add(factory: GraphFactory) -> GraphFactory:
+        GRAPH_RUNNERS[name] = factory
+        return factory
+    return add
+
+
+def build_graph_runner(model: nn.Module, pool: KVPool) -> GraphRunner | None:
+    """The first registered runner that supports `model` over `pool`, or None (the layer loop runs every step)."""
+    for factory in GRAPH_RUNNERS.values():
+        runner = factory(model, pool)
+        if runner is not None:
+            return runner
+    return None
+
+
+class NativeDecodeRunner:
+    """Decode steps through the C layer stack: one call for every layer's matmuls, attention and norms."""
+
+    name = "c"
+
+    def __init__(self, stack: DecodeLayers):
+        self.stack = stack
+
+    def takes(self, fb: ForwardBatch) -> bool:
+        """Decode tokens alone, no shared-prefix split (the loop's cascade pass), and few enough rows that every
+        matmul of the loop would run the block kernel too (more go to a GEMM), unless batch-invariant."""
+        return (fb.mode is ForwardMode.DECODE and fb.extend is None and fb.decode is not None
+                and fb.decode.prefix_slots is None
+                and (fb.num_tokens <= self.stack.max_rows or fb.batch_invariant))
+
+    def run(self, x: torch.Tensor, fb: ForwardBatch, rope: Rope) -> torch.Tensor:
+        return self.stack(x.contiguous(), step_tables(fb, rope), fb.batch_invariant)
+
+
+@register("c")
+def _native(model: nn.Module, pool: KVPool) -> NativeDecodeRunner | None:
+    native = getattr(model, "native_decode", None)
+    stack = native(pool) if native is not None else None
+    return None if stack is None else NativeDecodeRunner(stack)
+
+
+def step_tables(fb: ForwardBatch, rope: Rope) -> StepTables:
+    """The batch's rotary tables, output slots and KV slots as the C stack reads them (windowed layers' own)."""
+    local = rope.get(SLIDING)
+    win = fb.windowed.decode if fb.windowed is not None else None
+    return StepTables(
+        (rope[FULL][0].contiguous(), None if local is None else local[0].contiguous()),
+        (rope[FULL][1].contiguous(), None if local is None else local[1].contiguous()),
+        (fb.out_slots.contiguous(), None if win is None else fb.windowed.out_slots.contiguous()),
+        (fb.decode.kv_slots.contiguous(), None if win is None else win.kv_slots.contiguous()),
+        fb.decode.kv_lens.contiguous())
