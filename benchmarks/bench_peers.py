@@ -180,10 +180,15 @@ def servers(ns, gguf: str) -> list[Server]:
                                        "--max-model-len", "4096", "--port", str(ns.port + 1)],
                           ns.port + 1, env={"VLLM_CPU_KVCACHE_SPACE": "4"}))
     if ns.llamacpp:
+        from plait.kernels.cpu_isa import cpu_flags
+
+        # its AMX matmul (ggml_backend_amx_mul_mat, reached through weight repacking) segfaults on the first
+        # batch on a CPU with AMX: there it runs without repacking, on its AVX-512 kernels
+        amx = ["--no-repack"] if "amx_tile" in cpu_flags() else []
         # 16 slots of 4096 tokens each (llama-server splits --ctx-size among its slots)
         out.append(Server("llama.cpp", [llama_server(), "--model", gguf, "--threads", str(ns.threads),
                                         "--parallel", "16", "--ctx-size", str(16 * 4096), "--alias", "default",
-                                        "--host", "127.0.0.1", "--port", str(ns.port + 2)], ns.port + 2))
+                                        "--host", "127.0.0.1", "--port", str(ns.port + 2), *amx], ns.port + 2))
     return out
 
 
