@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from plait.kernels import cpu_attention
+from plait.kernels import cpu_attention, cpu_isa
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.model_executor.forward_batch import AttnGroup, ForwardBatch
 
@@ -61,10 +61,11 @@ def _group_attention(
         # expanded to every query head of the group, not broadcast: torch's fused CPU kernel takes equal head
         # counts (a broadcast falls back to its math path, twice as slow at 512 tokens)
         shape = (num_kv, per_kv, num_tokens, head_dim)
-        k_new = pool.k[layer].index_select(1, new_slots).to(q.dtype).unsqueeze(1).expand(shape)
-        v_new = pool.v[layer].index_select(1, new_slots).to(q.dtype).unsqueeze(1).expand(shape)
-        o = F.scaled_dot_product_attention(qh, k_new, v_new, is_causal=True, scale=scale)
-        return o.permute(2, 0, 1, 3).reshape(num_tokens, num_heads * head_dim)
+        dtype = _sdpa_dtype(q.dtype, pool.k[layer].dtype)
+        k_new = pool.k[layer].index_select(1, new_slots).to(dtype).unsqueeze(1).expand(shape)
+        v_new = pool.v[layer].index_select(1, new_slots).to(dtype).unsqueeze(1).expand(shape)
+        o = F.scaled_dot_product_attention(qh.to(dtype), k_new, v_new, is_causal=True, scale=scale)
+        return o.permute(2, 0, 1, 3).reshape(num_tokens, num_heads * head_dim).to(q.dtype)
     if g.prefix_slots is None:
         return _own_keys(g, pool, layer, q, scale, False, window, softcap).reshape(num_tokens, num_heads * head_dim)
     # cascade: every query against one copy of the shared prefix, then against its own keys; merge by LSE
@@ -72,6 +73,14 @@ def _group_attention(
     out_s, lse_s = _own_keys(g, pool, layer, q, scale, with_lse=True)
     w = torch.sigmoid(lse_p - lse_s).unsqueeze(-1)  # the prefix's share of the softmax mass
     return (out_s + w * (out_p - out_s)).reshape(num_tokens, num_heads * head_dim)
+
+
+def _sdpa_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a prompt's causal SDPA runs in: bfloat16 where the pool stores bfloat16 K/V and the CPU has bfloat16
+    dot products (torch's flash kernel then multiplies natively, on AMX tiles where present: 2.0-2.9x faster at 200
+    to 2,048 tokens; the queries round to bfloat16 as the many-row bfloat16 matmuls' inputs do), else the queries'."""
+    native = kv_dtype is torch.bfloat16 and q_dtype is torch.float32 and cpu_isa.native_bf16()
+    return torch.bfloat16 if native else q_dtype
 
 
 def _own_keys(g: AttnGroup, pool: KVPool, layer: int, q: torch.Tensor, scale: float, with_lse: bool,
