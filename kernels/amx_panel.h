@@ -1,8 +1,8 @@
 // Many-row matmuls on a CPU with AMX tiles (AMX-BF16): one tdpbf16ps multiplies a 16 x 32 bfloat16 tile by a
 // 32 x 16 one into a 16 x 16 tile of float sums, 16 times the work of an AVX-512 bfloat16 dot product, so the
-// products cost less than decoding the weights. The weights are decoded to bfloat16 a panel of 16 rows at a time over
-// the whole of K, as the first operand: k-block b's tile (16 rows x 32 weights, one block of each row) at panel +
-// 512 b, so the decode stores each block as it comes out. The second operand takes pairs of k, so the input rows are
+// products cost less than decoding the weights. The weights are decoded to bfloat16 a panel at a time over the whole
+// of K, as the first operand: k-block b's tile (16 rows x 32 weights, one block of each row) at panel + 512 b, so the
+// decode stores each block as it comes out. The second operand takes pairs of k, so the input rows are
 // laid out once per call: tile (i, b) row p holds, for input rows 16 i .. 16 i + 15, their values 2p and 2p + 1 of
 // k-block b. A tile of sums is [weight row][input row], transposed on its way into y.
 // (included by quant_linear.c where the build has AMX; the OS must grant the tile state first: amx_ready)
