@@ -22,7 +22,6 @@ import platform
 import time
 import uuid
 
-import numpy as np
 import torch
 
 SLOT_BYTES = 8 << 20  # per rank and buffer

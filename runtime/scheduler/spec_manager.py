@@ -233,7 +233,7 @@ class SpecManager:
     def verify(self, req: Req, rows: torch.Tensor, masks: Masks | None, eos_ids: set[int],
                context_length: int) -> None:
         """rows: logits at the last sampled token and at each draft position (1 + len(draft))."""
-        draft, forced, parents = req.draft, req.draft_forced, req.draft_parents
+        forced, parents = req.draft_forced, req.draft_parents
         logprobs = None
         if req.grammar is not None:
             kept, tok, accepted = self.grammars.pick_verified(req, rows, masks)

@@ -201,7 +201,7 @@ def sequence_loss(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, la
     if t2d is not None:  # -1 where the token is outside the draft vocabulary
         label = torch.where(label >= 0, t2d[label.clamp(min=0)], -1)
     next_fused = torch.cat([fused[1:], fused[-1:]]).detach()
-    hidden, qkvs, residuals, outs = fused, [], [], []
+    hidden, qkvs, outs = fused, [], []
     total = torch.zeros(())
     stats = []
     for j in range(steps):
