@@ -10,8 +10,8 @@
 #include <unistd.h>
 
 // A panel is 32 weight rows, two halves of 16 (half h's k-block b at panel + 16 h k + 512 b): two weight tiles and two
-// input tiles make four tiles of sums, so each tile loaded feeds two products. A panel of one half (the last, where
-// N is not a multiple of 32) takes 4 input blocks at a time instead.
+// input tiles make four tiles of sums, so each tile loaded feeds two products. A last panel of one half (N not a
+// multiple of 32, rare: the models' widths are) runs the same, its second half's sums never stored.
 
 typedef struct {
   uint8_t palette, start_row, reserved[14];
@@ -83,42 +83,13 @@ static inline void amx_put(const float *sums, int64_t i, int64_t m, float *y, in
     _mm512_mask_storeu_ps(y + (16 * i + e) * ldy, mask, _mm512_add_ps(_mm512_castsi512_ps(r[e]), b));
 }
 
-#define AMX_DP(acc, a, in, at) \
-  _tile_loadd(in, at, 64);        \
-  _tile_dpbf16ps(acc, a, in)
 #define AMX_PUT(acc, e, half)      \
   _tile_stored(acc, sums, 64);     \
   amx_put(sums, i + (e), m, y + 16 * (half), ldy, bias ? bias + 16 * (half) : NULL, mask[half])
 
-// a filled panel of 16 rows (kb k-blocks) against input-row blocks [i0, i1) (xv: amx_inputs' tiles), into y at the
-// panel's first output column
-static void amx_pass16(const uint16_t *xv, int64_t kb, const uint16_t *panel, int64_t i0, int64_t i1, int64_t m,
-                       float *y, int64_t ldy, const float *bias, const __mmask16 *mask) {
-  float sums[256] __attribute__((aligned(64)));
-  for (int64_t i = i0; i < i1; i += 4) {
-    const int64_t blocks = i1 - i < 4 ? i1 - i : 4;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const uint16_t *x = xv + i * kb * 512;
-    for (int64_t b = 0; b < kb; ++b) {
-      _tile_loadd(4, panel + 512 * b, 64);
-      const uint16_t *at = x + 512 * b;
-      AMX_DP(0, 4, 5, at);
-      if (blocks > 1) { AMX_DP(1, 4, 6, at + kb * 512); }
-      if (blocks > 2) { AMX_DP(2, 4, 7, at + 2 * kb * 512); }
-      if (blocks > 3) { AMX_DP(3, 4, 5, at + 3 * kb * 512); }
-    }
-    AMX_PUT(0, 0, 0);
-    if (blocks > 1) { AMX_PUT(1, 1, 0); }
-    if (blocks > 2) { AMX_PUT(2, 2, 0); }
-    if (blocks > 3) { AMX_PUT(3, 3, 0); }
-  }
-}
-
-// the same for a panel of two halves, 2 input blocks at a time
-static void amx_pass32(const uint16_t *xv, int64_t kb, const uint16_t *panel, int64_t i0, int64_t i1, int64_t m,
+// a filled panel (kb k-blocks a half) against input-row blocks [i0, i1) (xv: amx_inputs' tiles), 2 blocks at a time,
+// into y at the panel's first output column
+static void amx_pass(const uint16_t *xv, int64_t kb, const uint16_t *panel, int64_t i0, int64_t i1, int64_t m,
                        float *y, int64_t ldy, const float *bias, const __mmask16 *mask) {
   float sums[256] __attribute__((aligned(64)));
   const uint16_t *upper = panel + kb * 512;  // half 1, 16 rows x k later

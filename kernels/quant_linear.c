@@ -449,12 +449,7 @@ static inline __attribute__((always_inline)) void amx_rows_of(const KJob *j, con
   }
   const __mmask16 mask[2] = {(__mmask16)((1u << (TILE_N * (tiles < 4 ? tiles : 4))) - 1),
                              (__mmask16)((1u << (TILE_N * (tiles > 4 ? tiles - 4 : 0))) - 1)};
-  float *y = j->y + n0;
-  const float *bias = j->bias ? j->bias + n0 : NULL;
-  if (tiles > 4)
-    amx_pass32(xv, j->k / 32, panel, i0, i1, j->m, y, j->n, bias, mask);
-  else
-    amx_pass16(xv, j->k / 32, panel, i0, i1, j->m, y, j->n, bias, mask);
+  amx_pass(xv, j->k / 32, panel, i0, i1, j->m, j->y + n0, j->n, j->bias ? j->bias + n0 : NULL, mask);
 }
 #endif
 
@@ -481,6 +476,21 @@ static inline __attribute__((always_inline)) void panel_rows_of(const KJob *j, c
       kpanel_fill(j, n0, tiles, kc, len, panel, fmt);
     panel_pass(xb, j->k, j->n, panel, kc, len, m0, m1, j->y + n0, j->bias ? j->bias + n0 : NULL, mask);
   }
+}
+
+// a panel's weight rows [n0, ...) against input rows [m0, m1): on AMX tiles (xv) where `amx`, else the AVX512-BF16
+// panel (xb)
+static inline __attribute__((always_inline)) void rows_of(const KJob *j, const uint16_t *xb, const uint16_t *xv,
+                                                          int64_t n0, int tiles, int64_t m0, int64_t m1,
+                                                          uint16_t *panel, int amx, const int fmt) {
+#ifdef KMANY_AMX
+  if (amx) {
+    amx_rows_of(j, xv, n0, tiles, m0 / 16, (m1 + 15) / 16, panel, fmt);
+    return;
+  }
+#endif
+  (void)xv, (void)amx;
+  panel_rows_of(j, xb, n0, tiles, m0, m1, panel, fmt);
 }
 
 static void kquant_linear_bf16(float *x, const void *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
@@ -547,27 +557,13 @@ static void kquant_linear_bf16(float *x, const void *w, const float *bias, float
         }
         const int64_t n0 = i * rows;
         const int tiles = n4 - n0 < rows ? (int)((n4 - n0) / TILE_N) : (int)(rows / TILE_N);
-#ifdef KMANY_AMX
-        if (amx) {
-          const int64_t i0 = m0 / 16, i1 = (m1 + 15) / 16;
-          switch (fmt) {
-            case Q8_0: amx_rows_of(&j, xv, n0, tiles, i0, i1, panel, Q8_0); break;
-            case Q4_1: amx_rows_of(&j, xv, n0, tiles, i0, i1, panel, Q4_1); break;
-            case Q5_0: amx_rows_of(&j, xv, n0, tiles, i0, i1, panel, Q5_0); break;
-            case Q4_K: amx_rows_of(&j, xv, n0, tiles, i0, i1, panel, Q4_K); break;
-            case Q5_K: amx_rows_of(&j, xv, n0, tiles, i0, i1, panel, Q5_K); break;
-            default: amx_rows_of(&j, xv, n0, tiles, i0, i1, panel, Q6_K); break;
-          }
-          continue;
-        }
-#endif
         switch (fmt) {  // one specialised fill per format
-          case Q8_0: panel_rows_of(&j, xb, n0, tiles, m0, m1, panel, Q8_0); break;
-          case Q4_1: panel_rows_of(&j, xb, n0, tiles, m0, m1, panel, Q4_1); break;
-          case Q5_0: panel_rows_of(&j, xb, n0, tiles, m0, m1, panel, Q5_0); break;
-          case Q4_K: panel_rows_of(&j, xb, n0, tiles, m0, m1, panel, Q4_K); break;
-          case Q5_K: panel_rows_of(&j, xb, n0, tiles, m0, m1, panel, Q5_K); break;
-          default: panel_rows_of(&j, xb, n0, tiles, m0, m1, panel, Q6_K); break;
+          case Q8_0: rows_of(&j, xb, xv, n0, tiles, m0, m1, panel, amx, Q8_0); break;
+          case Q4_1: rows_of(&j, xb, xv, n0, tiles, m0, m1, panel, amx, Q4_1); break;
+          case Q5_0: rows_of(&j, xb, xv, n0, tiles, m0, m1, panel, amx, Q5_0); break;
+          case Q4_K: rows_of(&j, xb, xv, n0, tiles, m0, m1, panel, amx, Q4_K); break;
+          case Q5_K: rows_of(&j, xb, xv, n0, tiles, m0, m1, panel, amx, Q5_K); break;
+          default: rows_of(&j, xb, xv, n0, tiles, m0, m1, panel, amx, Q6_K); break;
         }
       }
     }
