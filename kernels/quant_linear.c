@@ -380,29 +380,60 @@ static inline __attribute__((always_inline)) void block_floats(Block b, const in
 }
 
 #if defined(__AVX512BF16__)
-// block b's 32 weights as bfloat16 in a vector, rounded to nearest even as f32_to_bf16 rounds. Q4_1 and Q5_0 have
-// 16 and 32 possible values per block: those are computed (as floats, then rounded) into a table that one word
-// permute indexes with the block's integers.
-static inline __attribute__((always_inline)) __m512i block_bf16v(Block b, const int fmt) {
-  const __m512 d = _mm512_set1_ps(half(b.d));
+// the 4 rows of whole tile block g (weight rows n to n + 3) as bfloat16, a 32-word vector a row, rounded to nearest
+// even as f32_to_bf16 rounds. Q4_1 and Q5_0 have 16 and 32 possible values per block: those are computed (as floats,
+// then rounded) into a table that one word permute indexes with the block's integers; two Q4_1 rows share a table
+// (the index's bit 4 picks the row). The tile's 4 scales (and minimums) are converted by one instruction and stored,
+// so each row takes them by broadcasts from memory: the shuffle port, which bounds this loop, is left to the
+// widening and the permute.
+static inline __attribute__((always_inline)) void tile_bf16v(const uint8_t *w, int64_t k, int64_t n, int64_t g,
+                                                             const int fmt, __m512i *v) {
+  const Block b = block_in(w, k, n, 1, 0, g, fmt);
+  const int64_t qbytes = block_bytes(fmt) - head_bytes(fmt);
+  prefetch_tile_block(b, fmt);
+  float hd[8] __attribute__((aligned(32)));  // the 4 scales, then Q4_1's 4 minimums (stored after the scales)
+  if (fmt == Q4_1)
+    _mm256_store_ps(hd, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b.d)));
+  else
+    _mm_store_ps(hd, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)b.d)));
   if (fmt == Q8_0) {
-    const __m128i q0 = _mm_loadu_si128((const __m128i *)b.q), q1 = _mm_loadu_si128((const __m128i *)(b.q + 16));
-    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
-    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    for (int t = 0; t < TILE_N; ++t) {
+      const uint8_t *q = b.q + t * qbytes;
+      const __m512 d = _mm512_set1_ps(hd[t]);
+      const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), d);
+      const __m512 hi =
+          _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), d);
+      v[t] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    }
+    return;
   }
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512i q = block_ints512(b.q, b.m, Q4_1);  // the low 4 bits
-  __m512i table;
+  // the 16 bytes twice, as words: the first copy's low nibbles are elements 0-15, the second's high ones 16-31
+  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   if (fmt == Q4_1) {
-    const __m512 v = _mm512_fmadd_ps(iota, d, _mm512_set1_ps(half(b.m)));
-    table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
-  } else {  // Q5_0: index q + 16 (bit 4) for the value d (index - 16)
-    q = _mm512_mask_add_epi16(q, (__mmask32)load_u32(b.m), q, _mm512_set1_epi16(16));
-    table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(iota, d),
-                                          _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(16.f)), d));
+    for (int t = 0; t < TILE_N; t += 2) {
+      const __m512 v0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(hd[t]), _mm512_set1_ps(hd[4 + t]));
+      const __m512 v1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(hd[t + 1]), _mm512_set1_ps(hd[5 + t]));
+      const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);  // words 0-15 row t's values, 16-31 row t + 1's
+      for (int r = 0; r < 2; ++r) {
+        const __m512i both = _mm512_cvtepu8_epi16(
+            _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b.q + (t + r) * qbytes))));
+        // (nibble & 0xF) | 16 r
+        const __m512i idx = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(both, shift), _mm512_set1_epi16(0xF),
+                                                      _mm512_set1_epi16((short)(16 * r)), 0xEA);
+        v[t + r] = _mm512_permutexvar_epi16(idx, table);
+      }
+    }
+    return;
   }
-  return _mm512_permutexvar_epi16(q, table);
+  for (int t = 0; t < TILE_N; ++t) {  // Q5_0: index q + 16 (bit 4) for the value d (index - 16)
+    const __m512 d = _mm512_set1_ps(hd[t]);
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(iota, d),
+                                                       _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(16.f)), d));
+    __m512i q = block_ints512(b.q + t * qbytes, b.m + 4 * t, Q4_1);  // the low 4 bits
+    q = _mm512_mask_add_epi16(q, (__mmask32)load_u32(b.m + 4 * t), q, _mm512_set1_epi16(16));
+    v[t] = _mm512_permutexvar_epi16(q, table);
+  }
 }
 #endif
 
@@ -411,13 +442,18 @@ static inline __attribute__((always_inline)) __m512i block_bf16v(Block b, const 
 // of missing tiles zero)
 static inline __attribute__((always_inline)) void qpanel_fill(const uint8_t *w, int64_t k, int64_t n, int tiles,
                                                               int64_t kc, int64_t len, uint16_t *panel, const int fmt) {
-  for (int64_t g = kc / QK; g < (kc + len) / QK; ++g)
+  for (int64_t g = kc / QK; g < (kc + len) / QK; ++g) {
+    __m512i v[4][TILE_N], col[4];
+    for (int c = 0; c < 4; ++c)
+      if (c < tiles)
+        tile_bf16v(w, k, n + TILE_N * c, g, fmt, v[c]);
+      else
+        for (int t = 0; t < TILE_N; ++t) v[c][t] = _mm512_setzero_si512();
     for (int t = 0; t < TILE_N; ++t) {
-      __m512i v[4];
-      for (int c = 0; c < 4; ++c)
-        v[c] = c < tiles ? block_bf16v(block_in(w, k, n + TILE_N * c, 1, t, g, fmt), fmt) : _mm512_setzero_si512();
-      panel_put4(panel, g - kc / QK, t, v);
+      for (int c = 0; c < 4; ++c) col[c] = v[c][t];
+      panel_put4(panel, g - kc / QK, t, col);
     }
+  }
 }
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -429,10 +465,11 @@ static inline __attribute__((always_inline)) void qpanel_fill(const uint8_t *w, 
 static inline __attribute__((always_inline)) void qamx_fill(const uint8_t *w, int64_t k, int64_t n, int tiles,
                                                             uint16_t *panel, const int fmt) {
   for (int64_t g = 0; g < k / QK; ++g)
-    for (int c = 0; c < tiles; ++c)
-      for (int t = 0; t < TILE_N; ++t)
-        _mm512_store_si512((void *)(panel + g * 512 + (TILE_N * c + t) * 32),
-                           block_bf16v(block_in(w, k, n + TILE_N * c, 1, t, g, fmt), fmt));
+    for (int c = 0; c < tiles; ++c) {
+      __m512i v[TILE_N];
+      tile_bf16v(w, k, n + TILE_N * c, g, fmt, v);
+      for (int t = 0; t < TILE_N; ++t) _mm512_store_si512((void *)(panel + g * 512 + (TILE_N * c + t) * 32), v[t]);
+    }
 }
 
 // weight rows [n0, n0 + 32) (`tiles` whole tiles of them) decoded into `panel`, 16 rows to a half, against input-row
