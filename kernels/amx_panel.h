@@ -87,36 +87,52 @@ static inline void amx_put(const float *sums, int64_t i, int64_t m, float *y, in
   _tile_stored(acc, sums, 64);     \
   amx_put(sums, i + (e), m, y + 16 * (half), ldy, bias ? bias + 16 * (half) : NULL, mask[half])
 
+// tiles 0-3 += the panel's k-blocks [b0, b1) (kb a half) times input-row block x (tiles 0, 2) and the next one (tiles
+// 1, 3) where `two`
+static inline __attribute__((always_inline)) void amx_dots(const uint16_t *x, int64_t kb, const uint16_t *panel,
+                                                           int64_t b0, int64_t b1, int two) {
+  const uint16_t *upper = panel + kb * 512;  // half 1, 16 rows x k later
+  for (int64_t b = b0; b < b1; ++b) {
+    _tile_loadd(4, panel + 512 * b, 64);
+    _tile_loadd(5, upper + 512 * b, 64);
+    _tile_loadd(6, x + 512 * b, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (two) {
+      _tile_loadd(7, x + (kb + b) * 512, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+// tiles 0-3 (input-row blocks i and, where `two`, i + 1) into y
+static inline __attribute__((always_inline)) void amx_store(int64_t i, int two, int64_t m, float *y, int64_t ldy,
+                                                            const float *bias, const __mmask16 *mask) {
+  float sums[256] __attribute__((aligned(64)));
+  AMX_PUT(0, 0, 0);
+  AMX_PUT(2, 0, 1);
+  if (two) {
+    AMX_PUT(1, 1, 0);
+    AMX_PUT(3, 1, 1);
+  }
+}
+
+static inline __attribute__((always_inline)) void amx_zero(void) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
 // a filled panel (kb k-blocks a half) against input-row blocks [i0, i1) (xv: amx_inputs' tiles), 2 blocks at a time,
 // into y at the panel's first output column
 static void amx_pass(const uint16_t *xv, int64_t kb, const uint16_t *panel, int64_t i0, int64_t i1, int64_t m,
-                       float *y, int64_t ldy, const float *bias, const __mmask16 *mask) {
-  float sums[256] __attribute__((aligned(64)));
-  const uint16_t *upper = panel + kb * 512;  // half 1, 16 rows x k later
+                     float *y, int64_t ldy, const float *bias, const __mmask16 *mask) {
   for (int64_t i = i0; i < i1; i += 2) {
     const int two = i + 1 < i1;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const uint16_t *x = xv + i * kb * 512;
-    for (int64_t b = 0; b < kb; ++b) {
-      _tile_loadd(4, panel + 512 * b, 64);
-      _tile_loadd(5, upper + 512 * b, 64);
-      _tile_loadd(6, x + 512 * b, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(2, 5, 6);
-      if (two) {
-        _tile_loadd(7, x + (kb + b) * 512, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    AMX_PUT(0, 0, 0);
-    AMX_PUT(2, 0, 1);
-    if (two) {
-      AMX_PUT(1, 1, 0);
-      AMX_PUT(3, 1, 1);
-    }
+    amx_zero();
+    amx_dots(xv + i * kb * 512, kb, panel, 0, kb, two);
+    amx_store(i, two, m, y, ldy, bias, mask);
   }
 }

@@ -457,11 +457,11 @@ static inline __attribute__((always_inline)) void kpanel_fill(const KJob *j, int
 }
 
 #if defined(__AMX_BF16__)
-// weight rows [n, n + 4 tiles) over the whole of K as AMX tiles (amx_panel.h): k-block b of row r at panel + 512 b +
+// super-blocks [g0, g1) of weight rows [n, n + 4 tiles) as AMX tiles (amx_panel.h): k-block b of row r at panel + 512 b +
 // 32 r, each row's sub-blocks dequantized to bfloat16
-static inline __attribute__((always_inline)) void kamx_fill(const KJob *j, int64_t n, int tiles, uint16_t *panel,
-                                                            const int fmt) {
-  for (int64_t g = 0; g < j->k / QKK; ++g) {
+static inline __attribute__((always_inline)) void kamx_fill(const KJob *j, int64_t n, int tiles, int64_t g0,
+                                                            int64_t g1, uint16_t *panel, const int fmt) {
+  for (int64_t g = g0; g < g1; ++g) {
     KTileBlock t[4];
     for (int c = 0; c < tiles; ++c) kprep512(j, n + TILE_N * c, g, &t[c], fmt);
     for (int c = 0; c < tiles; ++c)

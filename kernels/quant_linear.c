@@ -463,8 +463,8 @@ static inline __attribute__((always_inline)) void qpanel_fill(const uint8_t *w, 
 // weight rows [n, n + 4 tiles) over the whole of K as AMX tiles (amx_panel.h: row r of a panel's half at 32 r in each
 // k-block's tile), for Q8_0 / Q4_1 / Q5_0
 static inline __attribute__((always_inline)) void qamx_fill(const uint8_t *w, int64_t k, int64_t n, int tiles,
-                                                            uint16_t *panel, const int fmt) {
-  for (int64_t g = 0; g < k / QK; ++g)
+                                                            int64_t g0, int64_t g1, uint16_t *panel, const int fmt) {
+  for (int64_t g = g0; g < g1; ++g)
     for (int c = 0; c < tiles; ++c) {
       __m512i v[TILE_N];
       tile_bf16v(w, k, n + TILE_N * c, g, fmt, v);
@@ -472,21 +472,45 @@ static inline __attribute__((always_inline)) void qamx_fill(const uint8_t *w, in
     }
 }
 
-// weight rows [n0, n0 + 32) (`tiles` whole tiles of them) decoded into `panel`, 16 rows to a half, against input-row
-// blocks [i0, i1)
-static inline __attribute__((always_inline)) void amx_rows_of(const KJob *j, const uint16_t *xv, int64_t n0,
-                                                              int tiles, int64_t i0, int64_t i1, uint16_t *panel,
-                                                              const int fmt) {
+// k-blocks [b0, b1) of weight rows [n0, n0 + 32) (`tiles` whole tiles of them) decoded into `panel`, 16 rows to a half
+static inline __attribute__((always_inline)) void amx_fill(const KJob *j, int64_t n0, int tiles, int64_t b0,
+                                                           int64_t b1, uint16_t *panel, const int fmt) {
   for (int h = 0; h < 2 && 4 * h < tiles; ++h) {
     const int part = tiles - 4 * h < 4 ? tiles - 4 * h : 4;
     if (fmt < Q4_K)
-      qamx_fill(j->w, j->k, n0 + 16 * h, part, panel + 16 * h * j->k, fmt);
+      qamx_fill(j->w, j->k, n0 + 16 * h, part, b0, b1, panel + 16 * h * j->k, fmt);
     else
-      kamx_fill(j, n0 + 16 * h, part, panel + 16 * h * j->k, fmt);
+      kamx_fill(j, n0 + 16 * h, part, b0 * 32 / QKK, b1 * 32 / QKK, panel + 16 * h * j->k, fmt);
   }
+}
+
+// k-blocks decoded between passes of the tiles when one panel pass covers every input row (a super-block): the panel's
+// part stays in L1 from its decode to its tile loads
+#define AMX_CHUNK_BLOCKS (QKK / 32)
+
+// weight rows [n0, n0 + 32) (`tiles` whole tiles of them) against input-row blocks [i0, i1): with at most two input
+// blocks, the panel decoded a chunk at a time between the tile products, else whole and then passed over the blocks
+static inline __attribute__((always_inline)) void amx_rows_of(const KJob *j, const uint16_t *xv, int64_t n0,
+                                                              int tiles, int64_t i0, int64_t i1, uint16_t *panel,
+                                                              const int fmt) {
   const __mmask16 mask[2] = {(__mmask16)((1u << (TILE_N * (tiles < 4 ? tiles : 4))) - 1),
                              (__mmask16)((1u << (TILE_N * (tiles > 4 ? tiles - 4 : 0))) - 1)};
-  amx_pass(xv, j->k / 32, panel, i0, i1, j->m, j->y + n0, j->n, j->bias ? j->bias + n0 : NULL, mask);
+  const int64_t kb = j->k / 32;
+  float *y = j->y + n0;
+  const float *bias = j->bias ? j->bias + n0 : NULL;
+  if (i1 - i0 <= 2) {
+    const int two = i1 - i0 == 2;
+    amx_zero();
+    for (int64_t b = 0; b < kb; b += AMX_CHUNK_BLOCKS) {
+      const int64_t e = b + AMX_CHUNK_BLOCKS < kb ? b + AMX_CHUNK_BLOCKS : kb;
+      amx_fill(j, n0, tiles, b, e, panel, fmt);
+      amx_dots(xv + i0 * kb * 512, kb, panel, b, e, two);
+    }
+    amx_store(i0, two, j->m, y, j->n, bias, mask);
+    return;
+  }
+  amx_fill(j, n0, tiles, 0, kb, panel, fmt);
+  amx_pass(xv, kb, panel, i0, i1, j->m, y, j->n, bias, mask);
 }
 #endif
 
