@@ -10,7 +10,7 @@ import torch
 
 from plait.kernels import cpu_isa
 from plait.kernels.cpu_fused import add_rms_norm, gelu_mul, rms_norm, silu_mul
-from plait.kernels.cpu_quant import (BY_GGML_TYPE, FORMATS, Q4_1, Q5_0, Q8_0, QuantMatmul, _library, deinterleave,
+from plait.kernels.cpu_quant import (BY_GGML_TYPE, FORMATS, QuantMatmul, _library, deinterleave,
                                      dequantize, from_gguf, interleave, quant_linear, quant_linear_ref, quant_rows,
                                      quantize, tiled_rows)
 

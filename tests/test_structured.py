@@ -498,8 +498,8 @@ def test_closing_plans_complete_any_prefix_for_every_backend(backends, tokenizer
 
 
 def test_compile_worker_kills_a_runaway_compile_and_rebuilds_what_it_compiled(tokenizer):
-    """Scheduler compiles run in a worker process: each backend's grammar comes back as the one compiled
-    here (the same mask). Under auto, a backend whose compile outlives its share of the timeout (its
+    """Scheduler compiles run in a worker process, without torch: each backend's grammar comes back as the one
+    compiled here (the same mask). Under auto, a backend whose compile outlives its share of the timeout (its
     worker is killed) or whose worker dies is one more refusal: the next backend compiles it."""
     from plait.runtime.constrained import GrammarCache, create_backend
     from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, spawn_worker, tokenizer_files
@@ -513,6 +513,8 @@ def test_compile_worker_kills_a_runaway_compile_and_rebuilds_what_it_compiled(to
         cache.warm(spawned)
         cache.wait_warm()
         assert compiler.worker._proc is spawned and compiler.worker._ready
+        with open(f"/proc/{spawned.pid}/maps") as maps:  # a worker only compiles: torch stays out of its memory
+            assert "libtorch" not in maps.read()
         # a grammar for each backend auto picks: xgrammar, llguidance (multipleOf), outlines (minProperties)
         grammars = [("json_schema", json.dumps(PERSON)), ("regex", "[0-9]{2,4}"),
                     ("json_schema", json.dumps({"type": "integer", "multipleOf": 3})),

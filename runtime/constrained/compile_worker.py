@@ -72,7 +72,8 @@ def spawn_worker() -> subprocess.Popen:
     """A worker process, importing its libraries while it waits for its WorkerConfig. The scheduler
     spawns one before loading the model, so those seconds of CPU overlap the load instead of the
     first requests' decode."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               TRANSFORMERS_VERBOSITY="error")  # not its note that PyTorch is absent (_preload)
     return subprocess.Popen([sys.executable, "-m", "plait.runtime.constrained.compile_worker"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
 
@@ -258,10 +259,17 @@ def _build_backend(config: WorkerConfig) -> GrammarBackend:
 
 
 def _preload() -> None:
-    """Import what building a backend needs, before the config arrives (see spawn_worker)."""
+    """Import what building a backend needs, before the config arrives (see spawn_worker). Without torch: a worker
+    only compiles (no masks, no tensors), and torch would be most of its memory and start-up. Libraries that import
+    torch where it is present (tvm-ffi under xgrammar, transformers) see it absent; xgrammar's own matchers, which
+    need it, are left out (xgrammar_backend.import_compile_side)."""
+    sys.modules.setdefault("torch", None)  # None: `import torch` raises ImportError here
+    from plait.runtime.constrained.xgrammar_backend import import_compile_side
+
     import transformers  # noqa: F401
 
-    for lib in ("xgrammar", "llguidance", "llguidance.hf", "outlines_core"):
+    import_compile_side()
+    for lib in ("llguidance", "llguidance.hf", "outlines_core"):
         try:
             __import__(lib)
         except ImportError:

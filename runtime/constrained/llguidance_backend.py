@@ -9,12 +9,14 @@ tried first (`try_consume_tokens`), which leaves the state unchanged when it is 
 from __future__ import annotations
 
 import json
-
-import torch
+from typing import TYPE_CHECKING
 
 from plait.runtime.constrained.base import (MAX_WHITESPACE, GrammarBackend, GrammarError, JsonStyle, Matcher,
                                             complete_utf8_prefix)
 from plait.runtime.constrained.schema_policy import prepare_schema
+
+if TYPE_CHECKING:  # annotations only: the compile worker runs without torch (compile_worker.py)
+    import torch
 
 
 class LLGuidanceMatcher(Matcher):

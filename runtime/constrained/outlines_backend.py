@@ -5,11 +5,13 @@ states that allow exactly one token."""
 from __future__ import annotations
 
 import json
-
-import torch
+from typing import TYPE_CHECKING
 
 from plait.runtime.constrained.base import MAX_WHITESPACE, GrammarBackend, GrammarError, JsonStyle, Matcher
 from plait.runtime.constrained.schema_policy import prepare_schema
+
+if TYPE_CHECKING:  # annotations only: the compile worker runs without torch (compile_worker.py)
+    import torch
 
 _MAX_ROLLBACK = 128  # a closing search (closing.py) plus a jump-forward walk inside it
 _MAX_JUMP_TOKENS = 32

@@ -4,12 +4,14 @@ token mask cache; jump-forward strings come from the matcher itself."""
 from __future__ import annotations
 
 import json
-
-import torch
+from typing import TYPE_CHECKING
 
 from plait.runtime.constrained.base import (MAX_WHITESPACE, GrammarBackend, GrammarError, JsonStyle, Matcher,
                                             complete_utf8_prefix)
 from plait.runtime.constrained.schema_policy import prepare_schema
+
+if TYPE_CHECKING:  # annotations only: the compile worker runs without torch (compile_worker.py)
+    import torch
 
 
 class XGrammarMatcher(Matcher):
@@ -65,20 +67,22 @@ class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
-        import xgrammar as xgr
+        # the compile side's modules by name: they are all a compile worker imports (import_compile_side)
+        from xgrammar.compiler import GrammarCompiler
+        from xgrammar.tokenizer_info import TokenizerInfo
 
-        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+        self._info = TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                         stop_token_ids=sorted(eos_ids))
         # plait keeps its own LRU (GrammarCache), so xgrammar's cache would only double the memory
-        self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
+        self._compiler = GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
 
     def build(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> tuple[str, bytes]:
         return self.name, self.compile(kind, text, style).compiled.serialize_json().encode()
 
     def load(self, backend: str, kind: str, text: str, style: JsonStyle, payload: bytes) -> _Compiled:
-        import xgrammar as xgr
+        from xgrammar.compiler import CompiledGrammar
 
-        return _Compiled(xgr.CompiledGrammar.deserialize_json(payload.decode(), self._info))
+        return _Compiled(CompiledGrammar.deserialize_json(payload.decode(), self._info))
 
     def compile(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> _Compiled:
         try:
@@ -107,3 +111,25 @@ def _clean(e: Exception) -> str:
         if ".cc:" in msg.split(" ", 1)[0]:
             msg = msg.split(": ", 1)[-1]
     return msg
+
+
+def import_compile_side() -> None:
+    """Import xgrammar's compiler and tokenizer info without its package `__init__`, which imports its matchers and
+    with them torch (150 MB and a second of CPU in a compile worker, which never fills a mask). Idempotent; where
+    xgrammar is already imported whole, nothing changes."""
+    import importlib.util
+    import sys
+    import types
+
+    if "xgrammar" in sys.modules:
+        return
+    spec = importlib.util.find_spec("xgrammar")
+    if spec is None:
+        return  # not installed: create_backend says so where it is asked for
+    package = types.ModuleType("xgrammar")
+    package.__spec__, package.__path__ = spec, list(spec.submodule_search_locations or [])
+    sys.modules["xgrammar"] = package
+    import xgrammar.exception  # noqa: F401 - as the package's __init__ begins: its errors, then the C++ library
+    import xgrammar.load_binding  # noqa: F401
+    import xgrammar.compiler  # noqa: F401
+    import xgrammar.tokenizer_info  # noqa: F401
