@@ -275,6 +275,13 @@ static inline __attribute__((always_inline)) __m512i block_ints512(const uint8_t
   return _mm512_mask_sub_epi16(w, ~(__mmask32)load_u32(hi), w, _mm512_set1_epi16(16));  // q - 16
 }
 
+// acc + a * (*s): the scalar broadcast from memory within the multiply-add (compilers forward a value just stored and
+// broadcast it from a register instead, on the shuffle port)
+static inline __attribute__((always_inline)) __m512 fmadd_bcast(__m512 a, const float *s, __m512 acc) {
+  __asm__("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*s));
+  return acc;
+}
+
 // a whole tile (4 weight rows from n) against input rows [m, m + R), one 16-lane accumulator each
 static inline __attribute__((always_inline)) void tile512(const Job *j, int64_t n, int64_t m, const int R,
                                                           const int fmt) {
@@ -294,11 +301,14 @@ static inline __attribute__((always_inline)) void tile512(const Job *j, int64_t 
     for (int r = 0; r < R; ++r) {
       const int64_t xb = (m + r) * G + g;
       const __m512i x = _mm512_loadu_si512((const void *)(j->xq.q + xb * QK));
-      const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_set1_ps(j->xq.d[xb])));  // d_w * d_x per row
+      // d_w * d_x per weight row, stored: each is broadcast from memory by a load, not by the shuffle port (which
+      // the widening needs, and which bounds this loop)
+      float s[TILE_N] __attribute__((aligned(16)));
+      _mm_store_ps(s, _mm_mul_ps(dw, _mm_set1_ps(j->xq.d[xb])));
       for (int c = 0; c < TILE_N; ++c) {
         // exact: each lane sums two products of at most 2^22
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_madd_epi16(w[c], x));
-        acc[r][c] = _mm512_fmadd_ps(dot, _mm512_permutexvar_ps(_mm512_set1_epi32(c), s), acc[r][c]);
+        acc[r][c] = fmadd_bcast(dot, s + c, acc[r][c]);
       }
       if (fmt == Q4_1)
         mins[r] = _mm_fmadd_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)b.m)), _mm_set1_ps(j->xq.s[xb]), mins[r]);
