@@ -4,7 +4,9 @@
 // of K, as the first operand: k-block b's tile (16 rows x 32 weights, one block of each row) at panel + 512 b, so the
 // decode stores each block as it comes out. The second operand takes pairs of k, so the input rows are
 // laid out once per call: tile (i, b) row p holds, for input rows 16 i .. 16 i + 15, their values 2p and 2p + 1 of
-// k-block b. A tile of sums is [weight row][input row], transposed on its way into y.
+// k-block b. A tile of sums is [weight row][input row], transposed on its way into y. Where the input rows fit one
+// pass (at most 32), the panel is decoded a super-block at a time between the products (quant_linear.c
+// amx_rows_of), so its tiles are loaded from L1 rather than L2.
 // (included by quant_linear.c where the build has AMX; the OS must grant the tile state first: amx_ready)
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -457,8 +457,8 @@ static inline __attribute__((always_inline)) void kpanel_fill(const KJob *j, int
 }
 
 #if defined(__AMX_BF16__)
-// super-blocks [g0, g1) of weight rows [n, n + 4 tiles) as AMX tiles (amx_panel.h): k-block b of row r at panel + 512 b +
-// 32 r, each row's sub-blocks dequantized to bfloat16
+// super-blocks [g0, g1) of weight rows [n, n + 4 tiles) as AMX tiles (amx_panel.h): k-block b of row r at
+// panel + 512 b + 32 r, each row's sub-blocks dequantized to bfloat16
 static inline __attribute__((always_inline)) void kamx_fill(const KJob *j, int64_t n, int tiles, int64_t g0,
                                                             int64_t g1, uint16_t *panel, const int fmt) {
   for (int64_t g = g0; g < g1; ++g) {
