@@ -390,12 +390,19 @@ static inline __attribute__((always_inline)) void block_floats(Block b, const in
 }
 
 #if defined(__AVX512BF16__)
+// *p in every lane, broadcast by a load (compilers forward a value just stored and broadcast it from a register, on
+// the shuffle port)
+static inline __attribute__((always_inline)) __m512 bcast_load(const float *p) {
+  __m512 v;
+  __asm__("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
+  return v;
+}
+
 // the 4 rows of whole tile block g (weight rows n to n + 3) as bfloat16, a 32-word vector a row, rounded to nearest
 // even as f32_to_bf16 rounds. Q4_1 and Q5_0 have 16 and 32 possible values per block: those are computed (as floats,
 // then rounded) into a table that one word permute indexes with the block's integers; two Q4_1 rows share a table
-// (the index's bit 4 picks the row). The tile's 4 scales (and minimums) are converted by one instruction and stored,
-// so each row takes them by broadcasts from memory: the shuffle port, which bounds this loop, is left to the
-// widening and the permute.
+// (the index's bit 4 picks the row). The tile's 4 scales (and minimums) are converted by one instruction, not one
+// per row: the shuffle port, which bounds this loop, is left to the widening and the permute.
 static inline __attribute__((always_inline)) void tile_bf16v(const uint8_t *w, int64_t k, int64_t n, int64_t g,
                                                              const int fmt, __m512i *v) {
   const Block b = block_in(w, k, n, 1, 0, g, fmt);
@@ -409,7 +416,7 @@ static inline __attribute__((always_inline)) void tile_bf16v(const uint8_t *w, i
   if (fmt == Q8_0) {
     for (int t = 0; t < TILE_N; ++t) {
       const uint8_t *q = b.q + t * qbytes;
-      const __m512 d = _mm512_set1_ps(hd[t]);
+      const __m512 d = bcast_load(hd + t);
       const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), d);
       const __m512 hi =
           _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), d);
@@ -422,8 +429,8 @@ static inline __attribute__((always_inline)) void tile_bf16v(const uint8_t *w, i
   const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   if (fmt == Q4_1) {
     for (int t = 0; t < TILE_N; t += 2) {
-      const __m512 v0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(hd[t]), _mm512_set1_ps(hd[4 + t]));
-      const __m512 v1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(hd[t + 1]), _mm512_set1_ps(hd[5 + t]));
+      const __m512 v0 = _mm512_fmadd_ps(iota, bcast_load(hd + t), bcast_load(hd + 4 + t));
+      const __m512 v1 = _mm512_fmadd_ps(iota, bcast_load(hd + t + 1), bcast_load(hd + 5 + t));
       const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);  // words 0-15 row t's values, 16-31 row t + 1's
       for (int r = 0; r < 2; ++r) {
         const __m512i both = _mm512_cvtepu8_epi16(
@@ -437,7 +444,7 @@ static inline __attribute__((always_inline)) void tile_bf16v(const uint8_t *w, i
     return;
   }
   for (int t = 0; t < TILE_N; ++t) {  // Q5_0: index q + 16 (bit 4) for the value d (index - 16)
-    const __m512 d = _mm512_set1_ps(hd[t]);
+    const __m512 d = bcast_load(hd + t);
     const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(iota, d),
                                                        _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(16.f)), d));
     __m512i q = block_ints512(b.q + t * qbytes, b.m + 4 * t, Q4_1);  // the low 4 bits
