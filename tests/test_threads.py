@@ -30,3 +30,17 @@ def test_noise_within_the_margin_never_switches():
 def test_one_thread_has_nothing_to_choose():
     gov = ThreadGovernor(1, probe_every=2, probe_steps=1)
     assert set(_run(gov, {1: 1.0}, 20)) == {1} and gov.switches == 0
+
+
+def test_probes_that_lose_come_ever_less_often_and_a_switch_starts_them_over():
+    gov = ThreadGovernor(2, probe_every=16, probe_steps=4, max_probe_every=128)
+    used = _run(gov, {2: 2.0, 1: 4.0}, 1000)  # a quiet machine: the probes of one thread always lose
+    probes = [i for i in range(1, len(used)) if used[i] == 1 and used[i - 1] == 2]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:4] == [36, 68, 132, 132] and set(gaps[3:]) == {132}  # the wait doubles to 128, plus the probe
+    assert gov.current == 2 and gov.switches == 0
+    used = _run(gov, {2: 10.0, 1: 4.0}, 160)  # a neighbour arrives: noticed within the longest wait
+    assert gov.current == 1 and gov.switches == 1
+    switched = next(i for i in range(1, len(used)) if used[i] == 1 and used[i - 1] == 2) + 4
+    assert switched <= 132 and used[switched:switched + 16] == [1] * 16  # the next probe of 2 threads: 16 later
+    assert used[switched + 16] == 2

@@ -6,11 +6,14 @@ descheduled for whole time slices (milliseconds) while the others wait at the ba
 step of ~150 regions can run several times slower than it would on one thread fewer. Work handed
 out in chunks (the C kernels) limits, but cannot remove, that wait.
 
-The governor measures instead of guessing: every `probe_every` decode steps it runs `probe_steps`
+The governor measures instead of guessing: after `probe_every` decode steps it runs `probe_steps`
 steps with the other candidate thread count, and keeps whichever was faster per token over the
 probe and the same number of steps just before it (by more than `margin`, so noise does not flip
-it). Decode steps only: their cost follows the batch, which changes slowly, while a prefill chunk's
-does not. With one thread to give there is nothing to choose and it does nothing.
+it). A probe that loses doubles the wait before the next one, up to `max_probe_every`: on a quiet
+machine the probes ran one step in sixteen at half speed (6% of batch-1 decode), and a neighbour
+that arrives is still noticed within that many steps. A switch starts the waits over. Decode steps
+only: their cost follows the batch, which changes slowly, while a prefill chunk's does not. With
+one thread to give there is nothing to choose and it does nothing.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ logger = logging.getLogger(__name__)
 
 
 class ThreadGovernor:
-    def __init__(self, max_threads: int, probe_every: int = 128, probe_steps: int = 8, margin: float = 0.1):
+    def __init__(self, max_threads: int, probe_every: int = 32, probe_steps: int = 8, margin: float = 0.1,
+                 max_probe_every: int = 1024):
         self.max_threads = max(1, max_threads)
         self.current = self.max_threads
         self.probe_every, self.probe_steps, self.margin = probe_every, probe_steps, margin
+        self.max_probe_every = max(probe_every, max_probe_every)
+        self.wait = probe_every  # decode steps before the next probe
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=probe_steps)
         self._probe: list[tuple[float, int]] = []
         self._steps = 0
@@ -35,7 +41,7 @@ class ThreadGovernor:
 
     @property
     def probing(self) -> bool:
-        return bool(self._probe) or (self._steps >= self.probe_every and len(self._recent) == self.probe_steps)
+        return bool(self._probe) or (self._steps >= self.wait and len(self._recent) == self.probe_steps)
 
     def threads(self) -> int:
         """The thread count for the next decode step."""
@@ -60,6 +66,9 @@ class ThreadGovernor:
                         probe * 1e3, base * 1e3)
             self.current = self._other()
             self.switches += 1
+            self.wait = self.probe_every
+        else:
+            self.wait = min(2 * self.wait, self.max_probe_every)
         self._probe, self._steps = [], 0
         self._recent.clear()
 
