@@ -548,6 +548,9 @@ def _breakdown(runner, ids: list[list[int]], ns) -> list[str]:
     graph, steps = runner.model.graph, 10
     stack = getattr(graph, "stack", None)
     rows_out = []
+    # every step on all the threads: the thread governor's probes (a few steps on one thread fewer) would land in
+    # some rows and not others
+    governor, runner.threads = runner.threads, None
     for batch in (1, 16, 64):
         rows = []
         for b in range(batch):
@@ -598,6 +601,7 @@ def _breakdown(runner, ids: list[list[int]], ns) -> list[str]:
             f"{ms(spent.get('LM head', 0))} | {ms(spent.get('attention', 0))} | {ms(spent.get('other kernels', 0))} | "
             f"{ms(total - inner)} | {ms(meta)} | {ms(samp)} | {1000 * bound:.2f} ({kind}) | "
             f"{100 * bound * steps / served:.0f}% |")
+    runner.threads = governor
     where = ("nowhere" if stack is None else "for every decode batch" if stack.max_rows >= 1 << 20
              else f"where the batch has at most {stack.max_rows} rows")
     return ["**One decode step against the roof** (default variant, prompts of ~200 tokens, ms per step; `served`: "
