@@ -275,11 +275,12 @@ static inline __attribute__((always_inline)) __m512i block_ints512(const uint8_t
   return _mm512_mask_sub_epi16(w, ~(__mmask32)load_u32(hi), w, _mm512_set1_epi16(16));  // q - 16
 }
 
-// acc + a * (*s): the scalar broadcast from memory within the multiply-add (compilers forward a value just stored and
-// broadcast it from a register instead, on the shuffle port)
-static inline __attribute__((always_inline)) __m512 fmadd_bcast(__m512 a, const float *s, __m512 acc) {
-  __asm__("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*s));
-  return acc;
+// *p in every lane, broadcast by a load (compilers forward a value just stored and broadcast it from a register, on
+// the shuffle port)
+static inline __attribute__((always_inline)) __m512 bcast_load(const float *p) {
+  __m512 v;
+  __asm__("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
+  return v;
 }
 
 // a whole tile (4 weight rows from n) against input rows [m, m + R), one 16-lane accumulator each
@@ -308,7 +309,7 @@ static inline __attribute__((always_inline)) void tile512(const Job *j, int64_t 
       for (int c = 0; c < TILE_N; ++c) {
         // exact: each lane sums two products of at most 2^22
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_madd_epi16(w[c], x));
-        acc[r][c] = fmadd_bcast(dot, s + c, acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(dot, bcast_load(s + c), acc[r][c]);
       }
       if (fmt == Q4_1)
         mins[r] = _mm_fmadd_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)b.m)), _mm_set1_ps(j->xq.s[xb]), mins[r]);
@@ -390,14 +391,6 @@ static inline __attribute__((always_inline)) void block_floats(Block b, const in
 }
 
 #if defined(__AVX512BF16__)
-// *p in every lane, broadcast by a load (compilers forward a value just stored and broadcast it from a register, on
-// the shuffle port)
-static inline __attribute__((always_inline)) __m512 bcast_load(const float *p) {
-  __m512 v;
-  __asm__("vbroadcastss %1, %0" : "=v"(v) : "m"(*p));
-  return v;
-}
-
 // the 4 rows of whole tile block g (weight rows n to n + 3) as bfloat16, a 32-word vector a row, rounded to nearest
 // even as f32_to_bf16 rounds. Q4_1 and Q5_0 have 16 and 32 possible values per block: those are computed (as floats,
 // then rounded) into a table that one word permute indexes with the block's integers; two Q4_1 rows share a table
@@ -425,21 +418,14 @@ static inline __attribute__((always_inline)) void tile_bf16v(const uint8_t *w, i
     return;
   }
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  // the 16 bytes twice, as words: the first copy's low nibbles are elements 0-15, the second's high ones 16-31
-  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   if (fmt == Q4_1) {
     for (int t = 0; t < TILE_N; t += 2) {
       const __m512 v0 = _mm512_fmadd_ps(iota, bcast_load(hd + t), bcast_load(hd + 4 + t));
       const __m512 v1 = _mm512_fmadd_ps(iota, bcast_load(hd + t + 1), bcast_load(hd + 5 + t));
       const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);  // words 0-15 row t's values, 16-31 row t + 1's
-      for (int r = 0; r < 2; ++r) {
-        const __m512i both = _mm512_cvtepu8_epi16(
-            _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b.q + (t + r) * qbytes))));
-        // (nibble & 0xF) | 16 r
-        const __m512i idx = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(both, shift), _mm512_set1_epi16(0xF),
-                                                      _mm512_set1_epi16((short)(16 * r)), 0xEA);
-        v[t + r] = _mm512_permutexvar_epi16(idx, table);
-      }
+      v[t] = _mm512_permutexvar_epi16(block_ints512(b.q + t * qbytes, NULL, Q4_1), table);
+      v[t + 1] = _mm512_permutexvar_epi16(
+          _mm512_or_si512(block_ints512(b.q + (t + 1) * qbytes, NULL, Q4_1), _mm512_set1_epi16(16)), table);
     }
     return;
   }

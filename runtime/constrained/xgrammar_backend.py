@@ -71,8 +71,7 @@ class XGrammarBackend(GrammarBackend):
         from xgrammar.compiler import GrammarCompiler
         from xgrammar.tokenizer_info import TokenizerInfo
 
-        self._info = TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                        stop_token_ids=sorted(eos_ids))
+        self._info = TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(eos_ids))
         # plait keeps its own LRU (GrammarCache), so xgrammar's cache would only double the memory
         self._compiler = GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
 
