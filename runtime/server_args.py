@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from plait.runtime.constrained.base import BACKENDS, JSON_KEY_ORDER, JSON_WHITESPACE
+from plait.runtime.speculative.drafter import ALGORITHMS
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_HEAD = "SmolLM2-135M-Instruct-EAGLE3"
@@ -91,7 +92,8 @@ class ServerArgs:
         None, "speculative decoding (README: Speculative decoding): EAGLE / EAGLE3 draft with a small head over the "
         "target's hidden states (--speculative-draft-model-path; the default model has one shipped); NGRAM drafts "
         "what followed the sequence's last tokens where they occurred before in it (prompt lookup, no draft "
-        "model); drafts never change the output", [None, "EAGLE", "EAGLE3", "NGRAM"])
+        "model); SUFFIX what followed the longest earlier match in the request and in earlier requests' outputs "
+        "(suffix decoding, no draft model); drafts never change the output", [None, *ALGORITHMS])
     speculative_draft_model_path: str | None = _arg(
         None, "EAGLE/EAGLE3 head folder (config.json + safetensors in SGLang's layout); default: the head shipped "
         "for the default model")
@@ -104,6 +106,15 @@ class ServerArgs:
         8, "tokens one speculative step verifies, the last sampled one included (so up to this - 1 draft tokens)")
     speculative_ngram_min_match_window_size: int = _arg(1, "NGRAM: shortest suffix of the sequence looked up")
     speculative_ngram_max_match_window_size: int = _arg(4, "NGRAM: longest suffix looked up (the longest match wins)")
+    speculative_suffix_max_depth: int = _arg(64, "SUFFIX: longest match of the sequence's last tokens looked for")
+    speculative_suffix_max_spec_factor: float = _arg(
+        1.0, "SUFFIX: a draft is at most this many times as long as its match")
+    speculative_suffix_min_token_prob: float = _arg(
+        0.1, "SUFFIX: a draft stops where its next token's estimated probability (how often that continuation "
+        "followed the match, multiplied along the draft) falls below this")
+    speculative_suffix_max_cached_requests: int = _arg(
+        1000, "SUFFIX: earlier requests' outputs kept to draft from (the least recently matched dropped first; 0: "
+        "only the request's own tokens)")
     speculative_token_budget: int = _arg(
         12, "speculative drafts may grow a forward up to this many rows, less one per running request (past ~10 "
         "rows a CPU forward is compute-bound, so a busy batch drafts nothing; raise it on GPUs)")
@@ -191,8 +202,20 @@ class ServerArgs:
         if self.speculative_eagle_topk > 1 and self.page_size != 1:
             raise ValueError("speculative_eagle_topk > 1 (draft trees) needs page_size 1: a verified path's KV slots "
                              "are reordered into position order")
-        if self.speculative_draft_model_path is not None and self.speculative_algorithm not in ("EAGLE", "EAGLE3"):
-            raise ValueError("speculative_draft_model_path needs speculative_algorithm EAGLE or EAGLE3")
+        if self.speculative_draft_model_path is not None and not self._draft_model():
+            raise ValueError("speculative_draft_model_path needs a speculative_algorithm that takes a draft model: "
+                             + ", ".join(k for k, a in ALGORITHMS.items() if a.draft_model))
+        if self.speculative_suffix_max_depth < 2:
+            raise ValueError(f"speculative_suffix_max_depth must be >= 2, got {self.speculative_suffix_max_depth}")
+        if self.speculative_suffix_max_spec_factor <= 0:
+            raise ValueError("speculative_suffix_max_spec_factor must be > 0, got "
+                             f"{self.speculative_suffix_max_spec_factor}")
+        if not 0 <= self.speculative_suffix_min_token_prob <= 1:
+            raise ValueError("speculative_suffix_min_token_prob must be in [0, 1], got "
+                             f"{self.speculative_suffix_min_token_prob}")
+        if self.speculative_suffix_max_cached_requests < 0:
+            raise ValueError("speculative_suffix_max_cached_requests must be >= 0, got "
+                             f"{self.speculative_suffix_max_cached_requests}")
         if self.speculative_token_budget < 0:
             raise ValueError(f"speculative_token_budget must be >= 0, got {self.speculative_token_budget}")
         if self.grammar_cache_size < 1:
@@ -238,10 +261,11 @@ class ServerArgs:
         if grammar_backend == "auto" and self.skip_tokenizer_init:
             grammar_backend = "none"
         draft = self.speculative_draft_model_path
-        if draft is None and self.speculative_algorithm in ("EAGLE", "EAGLE3"):
+        if draft is None and self._draft_model():
             if self.model_path is not None:
                 raise ValueError(f"speculative_algorithm {self.speculative_algorithm} needs "
-                                 "--speculative-draft-model-path (a head ships only for the default model)")
+                                 f"--speculative-draft-model-path ({self._draft_model()}; one ships only for the "
+                                 "default model)")
             draft = default_draft_path()
         tp_size = max(self.tp_size, self.ep_size)
         # ranks on one machine share its cores: by default each takes an equal share instead of all of them
@@ -254,6 +278,11 @@ class ServerArgs:
             api_key=self._resolved_api_key(), api_key_file=None, speculative_draft_model_path=draft,
             speculative_num_steps=self.speculative_num_steps or self.speculative_num_draft_tokens - 1,
         )
+
+    def _draft_model(self) -> str | None:
+        """What --speculative-draft-model-path names for the chosen algorithm (None: it takes none)."""
+        algorithm = ALGORITHMS.get(self.speculative_algorithm) if self.speculative_algorithm else None
+        return algorithm.draft_model if algorithm is not None else None
 
     def _check_parallel(self) -> None:
         for name in ("tp_size", "ep_size", "dp_size", "nnodes"):

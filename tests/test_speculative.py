@@ -1,4 +1,4 @@
-"""Speculative decoding: NGRAM and EAGLE-3 drafts, verified so that they never change the output."""
+"""Speculative decoding: NGRAM, SUFFIX and EAGLE-3 drafts, verified so that they never change the output."""
 
 from __future__ import annotations
 
@@ -57,6 +57,41 @@ def test_ngram_proposes_what_followed_the_longest_latest_match():
         NgramIndex(3, 2)
 
 
+# ---- SUFFIX lookup ---------------------------------------------------------------------------
+def test_suffix_index_finds_the_longest_match_and_its_continuations():
+    from plait.runtime.speculative.suffix import SuffixIndex
+
+    ix = SuffixIndex()
+    ix.extend(0, [1, 2, 3, 4, 9, 2, 3, 5])
+    ix.extend(1, [7, 2, 3, 4, 6])
+    # [2, 3] ends at 3 (then 4) and 7 (then 5) in sequence 0, and at 3 (then 4) in 1; [1, 2, 3] is longest
+    assert ix.matches([8, 1, 2, 3], 8) == (3, [(0, 3)])
+    length, found = ix.matches([0, 2, 3], 8)  # only the pair matches: every occurrence with a continuation
+    assert length == 2 and sorted(found) == [(0, 3), (0, 7), (1, 3)]
+    assert ix.matches([2, 3, 5], 8) == (0, [])  # [3, 5] ends sequence 0: nothing followed it yet
+    assert ix.matches([9, 9], 8) == (0, [])
+    length, found = ix.matches([7, 2, 3], 2)  # the depth caps the match: [7, 2, 3] no longer beats [2, 3]
+    assert length == 2 and len(found) == 3
+    ix.extend(0, [6])  # a sequence grows: the pair it ends is indexed, its old end now has a continuation
+    assert ix.matches([3, 5], 8) == (2, [(0, 8)])
+    ix.remove(0)
+    assert ix.matches([1, 2, 3], 8) == (2, [(1, 3)]) and ix.tokens == 5
+
+
+def test_suffix_drafts_follow_frequencies():
+    from plait.runtime.speculative.suffix import draft_from
+
+    conts = [[5, 6, 7], [5, 6, 8], [5, 6, 7], [9]]
+    chain, score = draft_from(conts, 3, 0.1, tree=False)
+    # 5 follows 3 of 4 occurrences, 6 all three of those, 7 two of them: 0.75, 0.75, 0.5
+    assert chain.tokens == [5, 6, 7] and chain.parents is None and math.isclose(score, 2.0)
+    assert draft_from(conts, 3, 0.6, tree=False)[0].tokens == [5, 6]  # 0.5 is below the floor
+    tree, score = draft_from(conts, 4, 0.1, tree=True)
+    assert tree.tokens == [5, 6, 7, 9] and tree.parents == [-1, 0, 1, -1]  # the likeliest nodes, parents first
+    assert math.isclose(score, 0.75 + 0.75 + 0.5 + 0.25)
+    assert draft_from([], 3, 0.1, tree=False)[0].tokens == []
+
+
 # ---- verification keeps the model's distribution -------------------------------------------
 def _chi_square(counts: list[int], probs: list[float]) -> float:
     total = sum(counts)
@@ -105,8 +140,9 @@ def test_verification_samples_the_models_distribution(shape):
 # what they keep depends on the drafts alone, not on this machine's timings. The trees run in the slow target
 # (`make test-slow`; the tree mask itself is checked at the logits level in test_eagle.py, and the tree walk's
 # distribution above)
-ALGORITHMS = ["NGRAM", "EAGLE3", pytest.param("EAGLE3-tree", marks=pytest.mark.slow)]
+ALGORITHMS = ["NGRAM", "SUFFIX", "EAGLE3", pytest.param("EAGLE3-tree", marks=pytest.mark.slow)]
 _FLAGS = {"NGRAM": {"speculative_algorithm": "NGRAM", "speculative_draft_policy": "fixed"},
+          "SUFFIX": {"speculative_algorithm": "SUFFIX", "speculative_draft_policy": "fixed"},
           "EAGLE3": {"speculative_algorithm": "EAGLE3"},
           "EAGLE3-tree": {"speculative_algorithm": "EAGLE3", "speculative_eagle_topk": 4,
                           "speculative_draft_policy": "fixed"}}
@@ -209,6 +245,20 @@ def test_stops_inside_a_kept_draft_and_logprobs(engines):
     for key in ("output_token_logprobs", "output_top_logprobs"):
         for a, b in zip(ref["meta_info"][key], got["meta_info"][key]):
             assert json.dumps(a) == json.dumps(b) or _close(a, b), key
+
+
+def test_suffix_drafts_from_earlier_outputs(deterministic):
+    """An answer given before is drafted from the shared store: asked again, nearly every token comes from it."""
+    plain, spec = deterministic(None), deterministic("SUFFIX")
+    text = chat_prompt(plain.tokenizer, "Write a short poem about the sea.")
+    params = {"temperature": 0, "max_new_tokens": 48}
+    ref = plain.generate(text, params)
+    assert spec.generate(text, params)["output_ids"] == ref["output_ids"]
+    before = spec.get_server_info()["spec_suffix"]
+    again = spec.generate(text, params)
+    assert again["output_ids"] == ref["output_ids"]
+    assert spec.get_server_info()["spec_suffix"]["drafts_shared"] > before["drafts_shared"]
+    assert again["meta_info"]["spec_accept_length"] > 3
 
 
 def _close(a, b) -> bool:

@@ -43,7 +43,6 @@ class Req:
         self.draft_forced = 0
         self.draft_parents: list[int] | None = None  # a draft tree: the node each node follows (-1: last sampled)
         self.verified_rows: list[int] | None = None  # rows of the last verify in position order (a tree's path first)
-        self.ngram = None  # its NgramIndex, under --speculative-algorithm NGRAM
         self.spec_verify_ct = 0  # forwards that verified a speculative draft of this request
         self.spec_drafted = 0  # speculative draft tokens verified
         self.spec_accepted = 0  # of which the model kept

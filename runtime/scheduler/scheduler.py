@@ -32,9 +32,8 @@ from plait.runtime.scheduler.kv_manager import KVManager
 from plait.runtime.scheduler.policy import fair_order, order_waiting
 from plait.runtime.scheduler.req import Req
 from plait.runtime.scheduler.spec_manager import SpecManager
-from plait.runtime.speculative.eagle import load_eagle_head
-from plait.runtime.speculative.eagle_worker import EagleDrafter
 from plait.runtime.server_args import ServerArgs
+from plait.runtime.speculative.drafter import build_drafter
 
 logger = logging.getLogger(__name__)
 
@@ -44,26 +43,6 @@ _RATIO_INIT, _RATIO_MIN, _RATIO_DECAY = 0.7, 0.1, 0.002
 # a waiting request sharing at least this many more tokens with one admitted in the same step
 # than with the cache waits one step, so it reuses that one's prefix instead of recomputing it
 _IN_BATCH_SHARE = 32
-
-
-def _drafter(args: ServerArgs, runner: ModelRunner) -> EagleDrafter | None:
-    """The EAGLE head beside the target, under --speculative-algorithm EAGLE or EAGLE3."""
-    if args.speculative_algorithm not in ("EAGLE", "EAGLE3"):
-        return None
-    vocab = runner.model
-    if runner.group.distributed:  # the head runs on rank 0 alone: it reads a whole copy of the vocabulary layers
-        from plait.runtime.model_loader import load_vocab_layers
-
-        vocab = load_vocab_layers(args.model_path, runner.dtype, args.quantization, not args.disable_packed_weights)
-    head = load_eagle_head(args.speculative_draft_model_path, runner.config, vocab)
-    if head.cfg.kind != args.speculative_algorithm:
-        raise ValueError(f"speculative_algorithm {args.speculative_algorithm} but the draft model at "
-                         f"{args.speculative_draft_model_path} is an {head.cfg.kind} head")
-    steps = min(args.speculative_num_steps or args.speculative_num_draft_tokens - 1,
-                args.speculative_num_draft_tokens - 1)
-    return EagleDrafter(head, runner.req_to_token.table, runner.kv_pool.num_slots,
-                        max(1, args.speculative_token_budget), steps, runner.context_length + 1,
-                        runner.kv_dtype, runner.config.hf_config, args.speculative_eagle_topk)
 
 
 class Scheduler:
@@ -88,7 +67,8 @@ class Scheduler:
         self.forward_passes = 0
         self.tokens_generated = 0
         self.grammars = GrammarManager(args, self.tokenizer, runner.config.vocab_size, sorted(eos))
-        self.spec = SpecManager(args, self.tokenizer, self.grammars, _drafter(args, runner), runner.req_to_token.table)
+        self.spec = SpecManager(args, self.tokenizer, self.grammars, build_drafter(args, runner),
+                                runner.req_to_token.table)
         self.limits = RuntimeLimits(self.context_length, runner.allocator.capacity, runner.config.vocab_size,
                                     sum(p.numel() * p.element_size() for p in runner.model.parameters()))
 
@@ -428,10 +408,12 @@ class Scheduler:
                 outs.append(self._out(req))
             if req.finish is not None:
                 self.kv.release(req)
+                self.spec.release(req)
                 self.running.remove(req)
         for req in [r for r in self.waiting if r.finish is not None]:
             self.waiting.remove(req)
             self.kv.release(req)
+            self.spec.release(req)
             outs.append(self._out(req))
         if outs:
             self.emit(outs)
@@ -480,8 +462,7 @@ class Scheduler:
 
     def _copy_kv(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
         self.runner.copy_kv(src, dst, shift)
-        if self.spec.drafter is not None:  # the draft head's K/V live at the same slots
-            self.spec.drafter.copy_kv(src, dst, shift)
+        self.spec.copy_kv(src, dst, shift)
 
     # ---- introspection --------------------------------------------------------------
     def flush_cache(self) -> bool:

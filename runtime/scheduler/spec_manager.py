@@ -4,10 +4,9 @@ A draft is tokens appended to a request's output that the next forward computes 
 with logits at the last sampled token and at every draft position. Two kinds plan them:
 - jump-forward (`Req.draft_forced` leading tokens): the grammar's forced text (GrammarManager plans it);
 - speculative (the rest, `Req.guess_len`): a guess with no guarantee, cut to what the request's grammar
-  allows: EAGLE / EAGLE3, a small head over the target's features (runtime/speculative/eagle_worker.py), or
-  NGRAM prompt lookup (runtime/speculative/ngram.py). An NGRAM guess may follow forced text in the same
-  draft, looked up over it (a JSON key, then the value the passage gives); a head cannot, having no
-  features for tokens the target has not computed.
+  allows, from the drafter `--speculative-algorithm` names (runtime/speculative/drafter.py: EAGLE heads,
+  NGRAM and SUFFIX lookups). A lookup's guess may follow forced text in the same draft; a model's cannot,
+  having no features or K/V for tokens the target has not computed.
 
 Verification is the same for both: the model picks a token at each position exactly as it would
 have decoding one token per step (the same sampler, the same per-request generator, one draw per
@@ -28,14 +27,11 @@ every committed position, the verify walk, Python) is caught by a second measure
 tokens a second of whole decode steps with and without drafts, per number of running requests; where
 drafting measured slower, that batch size drafts only one step in 16 (to keep the figure current).
 `fixed` drafts every request's most each step.
-While the row budget leaves no room for drafts (a full batch, a queue), an EAGLE head skips its pass over
-decoded positions (prompt chunks it still reads): a gap in its context when drafting resumes
-(eagle_worker.py).
+While the row budget leaves no room for drafts (a full batch, a queue), the drafter is told (`no_room`): an
+EAGLE head then skips its pass over decoded positions.
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 
@@ -45,8 +41,7 @@ from plait.runtime.scheduler.grammar_manager import GrammarManager, Masks
 from plait.runtime.scheduler.req import Req
 from plait.runtime.server_args import ServerArgs
 from plait.runtime.speculative.cost import Acceptance, RowCost, StepRate, choose_sizes, fill_caps, running_mean
-from plait.runtime.speculative.eagle_worker import DraftSeed, EagleDrafter, ExtendRun
-from plait.runtime.speculative.ngram import NgramIndex
+from plait.runtime.speculative.drafter import Committed, Drafter, DraftStep
 from plait.runtime.speculative.verify import walk_draft
 
 _EMA = 0.3  # weight of the latest measurement in the running means of a draft step and of a step's overhead
@@ -56,12 +51,12 @@ _PROBE_EVERY = 16
 
 
 class SpecManager:
-    def __init__(self, args: ServerArgs, tokenizer, grammars: GrammarManager, drafter: EagleDrafter | None = None,
+    def __init__(self, args: ServerArgs, tokenizer, grammars: GrammarManager, drafter: Drafter | None = None,
                  table: torch.Tensor | None = None):
         self.args, self.tokenizer, self.grammars = args, tokenizer, grammars
         self.algorithm = args.speculative_algorithm
         self.drafter, self.table = drafter, table
-        self.topk = args.speculative_eagle_topk if drafter is not None else 1
+        self.trees = drafter is not None and drafter.drafts_trees
         self.max_nodes = args.speculative_num_draft_tokens - 1  # draft tokens one verify may hold
         self.max_draft = min(args.speculative_num_steps or self.max_nodes, self.max_nodes)  # chain length / tree depth
         self.budget = 0  # speculative draft tokens this step may still add
@@ -69,7 +64,7 @@ class SpecManager:
         self.no_room = False  # the row budget (or a queue) leaves no room for drafts this step
         self.base_rows = 0  # rows the next forward holds without drafts
         self.cost = RowCost()
-        self.step_seconds = 0.0  # an EAGLE draft step's running mean wall time
+        self.step_seconds = 0.0  # a draft pass's running mean wall time (a model drafter's; lookups take none)
         self.forward_seconds = 0.0  # the latest decode forward's wall time
         self.overhead = 0.0  # running mean of a decode step's wall time beyond its forward and its draft steps
         self.drafting_seconds = 0.0  # this step's draft steps (priced apart, by step_seconds)
@@ -85,8 +80,18 @@ class SpecManager:
 
     @property
     def capture(self) -> tuple[int, ...]:
-        """The target layers whose features the draft head reads (none without a head)."""
+        """The target layers whose features the drafter reads (none without one)."""
         return self.drafter.capture if self.drafter is not None else ()
+
+    def release(self, req: Req) -> None:
+        """`req` ended: the drafter forgets it."""
+        if self.drafter is not None:
+            self.drafter.release(req)
+
+    def copy_kv(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
+        """A KV join: the drafter's K/V at the target's slots follow the target's."""
+        if self.drafter is not None:
+            self.drafter.copy_kv(src, dst, shift)
 
     def begin_step(self, running: int, waiting: int) -> None:
         """Budgets for the drafts planned after this step's forward (they join the next one). No speculative
@@ -105,8 +110,10 @@ class SpecManager:
     def plan(self, took: list[Req], batch: list[tuple[Req, int]], items: list, features: list | None,
              context_length: int) -> None:
         """After the step's tokens are committed: speculative drafts for the requests in `took` (those that
-        took tokens) that drafted nothing else (NGRAM: or only forced text). An EAGLE head first reads every
-        committed position of the batch (`features`: the target's, per work item)."""
+        took tokens) that drafted nothing else (or only forced text, where the drafter may follow it). The
+        drafter first sees every position the forward committed (`features`: the target's, per work item)."""
+        if self.drafter is None:
+            return
         caps = {req: self._cap(req, context_length) for req in took}
         cands = [req for req, cap in caps.items() if cap > 0]
         limits = [caps[r] for r in cands]
@@ -120,39 +127,46 @@ class SpecManager:
                 req.spec_accept.relax()
         sizes = {req: n for req, n in zip(cands, chosen) if n > 0}
         self.budget -= sum(sizes.values())
-        trees: dict[Req, tuple[list[int], list[int]]] = {}
-        if self.drafter is not None:
-            drafts, trees = self._eagle_drafts(batch, items, features, sizes, context_length)
-        else:  # NGRAM: a guess may follow the grammar's forced text, looked up over it
-            drafts = {req: req.ngram.propose(req.fill_ids, size, settled=req.seq_len - len(req.draft))
-                      for req, size in sizes.items()}
-        for req, draft in drafts.items():
-            if draft and req.grammar is not None:
-                draft = self.grammars.admissible(req, draft)
-            self.budget += sizes[req] - len(draft)
-            if draft and req.draft:
-                req.add_guess(draft)
-            elif draft:
-                req.set_draft(draft, forced=False)
-        for req, (tokens, parents) in trees.items():
-            self.budget += sizes[req] - len(tokens)
-            req.set_draft(tokens, forced=False, parents=parents)
+        depths = {req: min(self.max_draft, self._left(req, context_length)) for req in sizes if self._tree(req)}
+        committed = [Committed(req, item.cached_len, req.cached_len - item.cached_len,
+                               None if features is None else features[i], item.mode is ForwardMode.EXTEND)
+                     for i, ((req, _), item) in enumerate(zip(batch, items))]
+        proposal = self.drafter.propose(DraftStep(committed, sizes, depths, self.no_room))
+        self.drafting_seconds = proposal.seconds
+        if proposal.steps:
+            self.step_seconds = running_mean(self.step_seconds or None, proposal.seconds / proposal.steps, _EMA)
+        for req, size in sizes.items():
+            draft = proposal.drafts.get(req)
+            tokens = draft.tokens if draft is not None else []
+            if draft is not None and draft.parents is not None:
+                self.budget += size - len(tokens)
+                if tokens:
+                    req.set_draft(tokens, forced=False, parents=draft.parents)
+                continue
+            if tokens and req.grammar is not None:
+                tokens = self.grammars.admissible(req, tokens)
+            self.budget += size - len(tokens)
+            if tokens and req.draft:
+                req.add_guess(tokens)
+            elif tokens:
+                req.set_draft(tokens, forced=False)
+
+    @staticmethod
+    def _left(req: Req, context_length: int) -> int:
+        """Draft tokens that fit before the request's length limits (its next token after them included)."""
+        return min(req.params.max_new_tokens - req.output_len, context_length - req.seq_len) - 1
 
     def _cap(self, req: Req, context_length: int) -> int:
         """The most tokens `req` may draft now (0: none); `choose_sizes` decides how many pay."""
-        if self.algorithm is None or req.finish is not None or self.budget <= 0:
+        if req.finish is not None or self.budget <= 0:
             return 0
-        if req.draft and (req.guess_len or self.drafter is not None):
-            return 0  # a guess may follow forced text only by lookup: a head has no features for unverified tokens
+        if req.draft and (req.guess_len or not self.drafter.follows_forced):
+            return 0  # a guess after forced text the model has not verified: only a lookup can make one
         if req.grammar is not None and (req.return_logprob or req.params.has_penalties):
             return 0  # constrained picks over a draft are masked per position: no per-token logprobs or penalties
         if req.spec_accept is None:
             req.spec_accept = Acceptance()
-            if self.algorithm == "NGRAM":
-                req.ngram = NgramIndex(self.args.speculative_ngram_min_match_window_size,
-                                       self.args.speculative_ngram_max_match_window_size)
-        left = min(req.params.max_new_tokens - req.output_len, context_length - req.seq_len) - 1
-        return max(0, min(self.max_nodes if self._tree(req) else self.max_draft, left))
+        return max(0, min(self.max_nodes if self._tree(req) else self.max_draft, self._left(req, context_length)))
 
     def record_step(self, requests: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A whole decode step: its requests, whether it verified speculative drafts, tokens it emitted. The
@@ -182,52 +196,8 @@ class SpecManager:
         self.forward_seconds = seconds
 
     def _tree(self, req: Req) -> bool:
-        """Whether `req` drafts a tree (EAGLE with top-k > 1; a grammar cuts chains only)."""
-        return self.topk > 1 and req.grammar is None
-
-    def _eagle_drafts(self, batch: list[tuple[Req, int]], items: list, features: list, sizes: dict[Req, int],
-                      context_length: int) -> tuple[dict[Req, list[int]], dict[Req, tuple[list[int], list[int]]]]:
-        """(chains, trees): the head first reads every position this forward committed."""
-        runs, owners, dropped = [], [], []
-        for (req, _), item, feats in zip(batch, items, features):
-            count = req.cached_len - item.cached_len  # positions this forward committed
-            if req.verified_rows is not None:  # a tree's kept path, in position order
-                feats = feats[req.verified_rows]
-                req.verified_rows = None
-            if count <= 0:
-                continue
-            # a finished request's positions too: a later request may reuse them from the radix cache
-            nxt = req.fill_ids[item.cached_len + 1 : item.cached_len + count + 1]
-            run = ExtendRun(req.row, item.cached_len, feats[: len(nxt)], nxt, req in sizes)
-            # with no room for drafts (a full batch), the head skips decoded positions: a gap in its context when
-            # drafting resumes; prompt chunks it still reads (a request's whole prompt context)
-            skip = self.no_room and item.mode is not ForwardMode.EXTEND
-            if skip or (req.finish is not None and req.finish.type == "abort"):
-                dropped.append(run)
-            else:
-                runs.append(run)
-                owners.append(req)
-        self.drafter.forget(dropped)
-        seeds: dict[bool, list] = {False: [], True: []}
-        drafting: dict[bool, list[Req]] = {False: [], True: []}
-        for req, out in zip(owners, self.drafter.extend(runs)):
-            if out is not None:
-                tree = self._tree(req)
-                seeds[tree].append(DraftSeed(req.row, req.cached_len, *out))
-                drafting[tree].append(req)
-        start = time.perf_counter()
-        chain_sizes = [sizes[r] for r in drafting[False]]
-        chains = dict(zip(drafting[False], self.drafter.draft(seeds[False], chain_sizes)))
-        depth = [min(self.max_draft, req.params.max_new_tokens - req.output_len - 1, context_length - req.seq_len - 1)
-                 for req in drafting[True]]
-        trees = dict(zip(drafting[True], self.drafter.draft_tree(seeds[True], [sizes[r] for r in drafting[True]],
-                                                                 depth, self.topk)))
-        steps = max(chain_sizes + depth, default=0)
-        self.drafting_seconds = time.perf_counter() - start
-        if steps:
-            took = self.drafting_seconds / steps
-            self.step_seconds = running_mean(self.step_seconds or None, took, _EMA)
-        return {req: chains.get(req, []) for req in sizes if req not in trees}, trees
+        """Whether `req` drafts a tree (a drafter of trees; a grammar cuts chains only)."""
+        return self.trees and req.grammar is None
 
     # ---- verification --------------------------------------------------------------------
     def verify(self, req: Req, rows: torch.Tensor, masks: Masks | None, eos_ids: set[int],
@@ -302,14 +272,13 @@ class SpecManager:
         return {
             "tokens_jumped": self.kept["jump_forward"], "tokens_drafted": self.drafted["jump_forward"],
             "spec_algorithm": self.algorithm, "spec_max_draft_tokens": self.max_draft if self.algorithm else None,
-            "spec_draft_head": None if self.drafter is None else {
-                "kind": self.drafter.head.cfg.kind, "draft_vocab_size": self.drafter.head.cfg.draft_vocab_size,
-                "aux_layer_ids": list(self.drafter.head.cfg.aux_layer_ids)},
+            "spec_draft_head": None,
             "spec_verifies": self.spec_verifies, "spec_seeded_verifies": self.seeded_verifies,
             "spec_draft_tokens": spec, "spec_accepted_tokens": self.kept["speculative"],
             "spec_accept_rate": round(self.kept["speculative"] / spec, 4) if spec else None,
             # tokens each verify yields: the kept draft and the model's own next token
             "spec_accept_length": round(1 + self.kept["speculative"] / self.spec_verifies, 4)
             if self.spec_verifies else None,
+            **(self.drafter.stats() if self.drafter is not None else {}),
         }
 

@@ -23,6 +23,7 @@ Two calls per step:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,27 @@ from plait.kernels.cpu_fused import rope_store
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.layers.rotary import RotaryEmbedding
 from plait.runtime.models.llama import FINAL_HIDDEN
-from plait.runtime.speculative.eagle import EagleHead
+from plait.runtime.speculative.drafter import Draft, DraftStep, Proposal, register
+from plait.runtime.speculative.eagle import EagleHead, load_eagle_head
+
+
+@register("EAGLE", "EAGLE3")
+def create(args, runner) -> "EagleDrafter":
+    """The head beside the target (its kind must be the algorithm's)."""
+    vocab = runner.model
+    if runner.group.distributed:  # the head runs on rank 0 alone: it reads a whole copy of the vocabulary layers
+        from plait.runtime.model_loader import load_vocab_layers
+
+        vocab = load_vocab_layers(args.model_path, runner.dtype, args.quantization, not args.disable_packed_weights)
+    head = load_eagle_head(args.speculative_draft_model_path, runner.config, vocab)
+    if head.cfg.kind != args.speculative_algorithm:
+        raise ValueError(f"speculative_algorithm {args.speculative_algorithm} but the draft model at "
+                         f"{args.speculative_draft_model_path} is an {head.cfg.kind} head")
+    steps = min(args.speculative_num_steps or args.speculative_num_draft_tokens - 1,
+                args.speculative_num_draft_tokens - 1)
+    return EagleDrafter(head, runner.req_to_token.table, runner.kv_pool.num_slots,
+                        max(1, args.speculative_token_budget), steps, runner.context_length + 1,
+                        runner.kv_dtype, runner.config.hf_config, args.speculative_eagle_topk)
 
 
 @dataclass
@@ -57,6 +78,11 @@ class DraftSeed:
 
 
 class EagleDrafter:
+    """The Drafter of EAGLE and EAGLE3 (runtime/speculative/drafter.py); `extend`, `draft` and `draft_tree` are its
+    steps. Its guesses cannot follow forced text: the head has no features for tokens the target has not computed."""
+
+    follows_forced = False
+
     def __init__(self, head: EagleHead, table: torch.Tensor, num_slots: int, max_drafts: int, max_steps: int,
                  max_positions: int, kv_dtype: torch.dtype, rope_config=None, topk: int = 1):
         cfg = head.cfg
@@ -69,7 +95,7 @@ class EagleDrafter:
         self.valid = torch.zeros(num_slots, dtype=torch.bool)  # see the module docstring
         self.rotary = RotaryEmbedding(rope_config, cfg.head_dim, cfg.rope_theta, max_positions, torch.float32)
         self.scale = cfg.head_dim ** -0.5
-        self.max_drafts = max_drafts
+        self.topk, self.drafts_trees = topk, topk > 1
 
     def _step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, store: torch.Tensor,
               kv_slots: torch.Tensor, lens: torch.Tensor, q_rows: torch.Tensor) -> torch.Tensor:
@@ -215,6 +241,51 @@ class EagleDrafter:
         """The slots of a request's committed positions whose head K/V are valid."""
         slots = self.table[seed.row, : seed.committed]
         return slots[self.valid[slots]]
+
+    def propose(self, step: DraftStep) -> Proposal:
+        """The head first reads every position the forward committed, then drafts from the last of each request
+        in `step.sizes`: chains, or trees for those in `step.depths`."""
+        runs, owners, dropped = [], [], []
+        for c in step.committed:
+            req, feats = c.req, c.features
+            if req.verified_rows is not None:  # a tree's kept path, in position order
+                feats = feats[req.verified_rows]
+                req.verified_rows = None
+            if c.count <= 0:
+                continue
+            # a finished request's positions too: a later request may reuse them from the radix cache
+            nxt = req.fill_ids[c.start + 1 : c.start + c.count + 1]
+            run = ExtendRun(req.row, c.start, feats[: len(nxt)], nxt, req in step.sizes)
+            # with no room for drafts (a full batch), the head skips decoded positions: a gap in its context when
+            # drafting resumes; prompt chunks it still reads (a request's whole prompt context)
+            if (step.no_room and not c.prompt) or (req.finish is not None and req.finish.type == "abort"):
+                dropped.append(run)
+            else:
+                runs.append(run)
+                owners.append(req)
+        self.forget(dropped)
+        seeds: dict[bool, list[DraftSeed]] = {False: [], True: []}
+        drafting: dict[bool, list] = {False: [], True: []}
+        for req, out in zip(owners, self.extend(runs)):
+            if out is not None:
+                tree = req in step.depths
+                seeds[tree].append(DraftSeed(req.row, req.cached_len, *out))
+                drafting[tree].append(req)
+        start = time.perf_counter()
+        chain_sizes = [step.sizes[r] for r in drafting[False]]
+        drafts = {req: Draft(d) for req, d in zip(drafting[False], self.draft(seeds[False], chain_sizes))}
+        depth = [step.depths[r] for r in drafting[True]]
+        trees = self.draft_tree(seeds[True], [step.sizes[r] for r in drafting[True]], depth, self.topk)
+        drafts.update({req: Draft(*t) for req, t in zip(drafting[True], trees)})
+        return Proposal(drafts, max(chain_sizes + depth, default=0), time.perf_counter() - start)
+
+    def release(self, req) -> None:
+        pass  # its K/V live at the request's slots, which the radix cache keeps or frees
+
+    def stats(self) -> dict:
+        cfg = self.head.cfg
+        return {"spec_draft_head": {"kind": cfg.kind, "draft_vocab_size": cfg.draft_vocab_size,
+                                    "aux_layer_ids": list(cfg.aux_layer_ids)}}
 
     def copy_kv(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
         """The head's K/V follow a KV join like the target's (keys moved on by `shift` positions)."""

@@ -9,6 +9,41 @@ the lookup O(1) per token; it grows as tokens arrive.
 
 from __future__ import annotations
 
+from plait.runtime.speculative.drafter import Draft, DraftStep, Proposal, register
+
+
+@register("NGRAM")
+class NgramDrafter:
+    """A guess may follow the grammar's forced text in the same draft, looked up over it (a JSON key, then the
+    value the passage gives)."""
+
+    capture: tuple[int, ...] = ()
+    follows_forced = True
+    drafts_trees = False
+
+    def __init__(self, args, runner=None):
+        self.min_n = args.speculative_ngram_min_match_window_size
+        self.max_n = args.speculative_ngram_max_match_window_size
+        self.indexes: dict = {}  # Req -> its NgramIndex
+
+    def propose(self, step: DraftStep) -> Proposal:
+        drafts = {}
+        for req, size in step.sizes.items():
+            index = self.indexes.get(req)
+            if index is None:
+                index = self.indexes[req] = NgramIndex(self.min_n, self.max_n)
+            drafts[req] = Draft(index.propose(req.fill_ids, size, settled=req.seq_len - len(req.draft)))
+        return Proposal(drafts)
+
+    def release(self, req) -> None:
+        self.indexes.pop(req, None)
+
+    def copy_kv(self, src, dst, shift) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
 
 class NgramIndex:
     """Per request: for n in [min_ngram, max_ngram], the n-gram ending at each position -> the latest
