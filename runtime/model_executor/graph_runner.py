@@ -4,7 +4,7 @@ A runner says which batches it takes and runs the layer stack over them; the mod
 runner first and keeps the loop for every batch the runner declines (and for steps that capture hidden
 states for a draft head). Runners register by name and `build_graph_runner` keeps the first that the
 model supports, so a captured or compiled step (CUDA graphs, torch.compile) plugs in as one more module.
-Today's runner, `c`, runs decode steps as one C call over the quantized blocks (kernels/cpu_decode.py).
+Today's runner, `c`, runs decode and verify steps as one C call over the quantized blocks (kernels/cpu_decode.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 from plait.kernels.cpu_decode import DecodeLayers, StepTables
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.model_config import FULL, SLIDING
-from plait.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
+from plait.runtime.model_executor.forward_batch import ForwardBatch
 
 Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer kind -> (cos, sin) at the batch's positions
 
@@ -54,7 +54,9 @@ def build_graph_runner(model: nn.Module, pool: KVPool) -> GraphRunner | None:
 
 
 class NativeDecodeRunner:
-    """Decode steps through the C layer stack: one call for every layer's matmuls, attention and norms."""
+    """Decode and verify steps through the C layer stack: one call for every layer's matmuls, attention and norms.
+    A verify item's tokens are rows like decode tokens, each attending to the keys up to itself (a tree node: its
+    own key row): the stack stores every row's K/V before any row attends, so a draft token sees those before it."""
 
     name = "c"
 
@@ -62,10 +64,10 @@ class NativeDecodeRunner:
         self.stack = stack
 
     def takes(self, fb: ForwardBatch) -> bool:
-        """Decode tokens alone, no shared-prefix split (the loop's cascade pass), and few enough rows that every
-        matmul of the loop would run the block kernel too (more go to a GEMM), unless batch-invariant."""
-        return (fb.mode is ForwardMode.DECODE and fb.extend is None and fb.decode is not None
-                and fb.decode.prefix_slots is None
+        """Decode and verify items (no prompt chunk), no shared-prefix split (the loop's cascade pass), and few
+        enough rows that every matmul of the loop would run the block kernel too (more go to a GEMM), unless
+        batch-invariant."""
+        return (not fb.has_prompt and all(g is None or g.prefix_slots is None for g in (fb.extend, fb.decode))
                 and (fb.num_tokens <= self.stack.max_rows or fb.batch_invariant))
 
     def run(self, x: torch.Tensor, fb: ForwardBatch, rope: Rope) -> torch.Tensor:
@@ -82,10 +84,26 @@ def _native(model: nn.Module, pool: KVPool) -> NativeDecodeRunner | None:
 def step_tables(fb: ForwardBatch, rope: Rope) -> StepTables:
     """The batch's rotary tables, output slots and KV slots as the C stack reads them (windowed layers' own)."""
     local = rope.get(SLIDING)
-    win = fb.windowed.decode if fb.windowed is not None else None
+    slots, lens = token_rows(fb)
+    win = token_rows(fb.windowed)[0] if fb.windowed is not None else None
     return StepTables(
         (rope[FULL][0].contiguous(), None if local is None else local[0].contiguous()),
         (rope[FULL][1].contiguous(), None if local is None else local[1].contiguous()),
         (fb.out_slots.contiguous(), None if win is None else fb.windowed.out_slots.contiguous()),
-        (fb.decode.kv_slots.contiguous(), None if win is None else win.kv_slots.contiguous()),
-        fb.decode.kv_lens.contiguous())
+        (slots.contiguous(), None if win is None else win.contiguous()),
+        lens.contiguous())
+
+
+def token_rows(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's key slots and how many of them it sees, in token order (verify items, then decode tokens): a
+    decode group's rows as they are, a verify group's row of each token (its request's, or a tree node's own)
+    with the keys up to that token."""
+    parts = []
+    for g in (fb.extend, fb.decode):
+        if g is not None:
+            parts.append((g.kv_slots, g.kv_lens) if g.q_req is None else (g.kv_slots[g.q_req], g.q_kv_lens))
+    if len(parts) == 1:
+        return parts[0]
+    width = max(slots.shape[1] for slots, _ in parts)
+    return (torch.cat([torch.nn.functional.pad(slots, (0, width - slots.shape[1])) for slots, _ in parts]),
+            torch.cat([lens for _, lens in parts]))

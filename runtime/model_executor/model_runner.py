@@ -247,6 +247,7 @@ class ModelRunner:
             decode=dec_group,
             logits_rows=torch.tensor(logit_rows, dtype=torch.int64),
             batch_invariant=self.batch_invariant,
+            has_prompt=any(it.mode is ForwardMode.EXTEND for it in items),
         )
         if self.window_layers:
             fb.windowed = fb.in_slots(self.allocator.window_of)

@@ -466,7 +466,10 @@ class Scheduler:
 
     # ---- introspection --------------------------------------------------------------
     def flush_cache(self) -> bool:
-        return self.idle and self.kv.flush()
+        if not (self.idle and self.kv.flush()):
+            return False
+        self.spec.flush()
+        return True
 
     def stats(self, check: bool = False) -> dict:
         cache = self.kv.cache.stats()

@@ -88,6 +88,11 @@ class SpecManager:
         if self.drafter is not None:
             self.drafter.release(req)
 
+    def flush(self) -> None:
+        """The caches are flushed: the drafter forgets earlier requests too."""
+        if self.drafter is not None:
+            self.drafter.flush()
+
     def copy_kv(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
         """A KV join: the drafter's K/V at the target's slots follow the target's."""
         if self.drafter is not None:

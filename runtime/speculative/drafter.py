@@ -82,6 +82,9 @@ class Drafter(Protocol):
     def release(self, req: Req) -> None:
         """`req` ended: forget what the drafter keeps for it."""
 
+    def flush(self) -> None:
+        """The caches are flushed: forget what earlier requests taught (nothing runs)."""
+
     def copy_kv(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
         """A KV join moved the target's slots `src` to `dst`: move any K/V the drafter keeps at those slots."""
 

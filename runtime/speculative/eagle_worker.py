@@ -279,6 +279,9 @@ class EagleDrafter:
         drafts.update({req: Draft(*t) for req, t in zip(drafting[True], trees)})
         return Proposal(drafts, max(chain_sizes + depth, default=0), time.perf_counter() - start)
 
+    def flush(self) -> None:
+        pass  # its K/V go with the target's
+
     def release(self, req) -> None:
         pass  # its K/V live at the request's slots, which the radix cache keeps or frees
 

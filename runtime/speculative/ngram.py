@@ -35,6 +35,9 @@ class NgramDrafter:
             drafts[req] = Draft(index.propose(req.fill_ids, size, settled=req.seq_len - len(req.draft)))
         return Proposal(drafts)
 
+    def flush(self) -> None:
+        pass
+
     def release(self, req) -> None:
         self.indexes.pop(req, None)
 

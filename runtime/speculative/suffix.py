@@ -224,6 +224,9 @@ class SuffixDrafter:
             old, _ = self.recent.popitem(last=False)
             self.shared.remove(old)
 
+    def flush(self) -> None:
+        self.shared, self.recent = SuffixIndex(), OrderedDict()
+
     def copy_kv(self, src, dst, shift) -> None:
         pass
 
