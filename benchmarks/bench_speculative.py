@@ -47,8 +47,9 @@ def chat(tok, text: str) -> str:
     return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
 
 
-def passages(n: int) -> list[str]:
-    """Long user messages from the evals registry (articles, reports, stories), 600-2400 characters."""
+def _one_per_dataset(n: int, text_of, scan: int) -> list[str]:
+    """Up to `n` texts from the evals registry, the first that `text_of(messages)` accepts (a str, else None)
+    among each dataset's first `scan` rows, datasets in name order."""
     from workloads import data_dir, samples
 
     out = []
@@ -57,38 +58,33 @@ def passages(n: int) -> list[str]:
             rows = samples(name)
         except (OSError, json.JSONDecodeError):
             continue
-        for row in rows[:50]:
+        for row in rows[:scan]:
             msgs = row.get("input")
-            if isinstance(msgs, list):
-                text = " ".join(m.get("content", "") for m in msgs if isinstance(m, dict) and m.get("role") == "user")
-                if 600 <= len(text) <= 2400 and text not in out:
-                    out.append(text)
-                    break
+            text = text_of(msgs) if isinstance(msgs, list) else None
+            if text is not None and text not in out:
+                out.append(text)
+                break
         if len(out) == n:
             break
     return out
+
+
+def passages(n: int) -> list[str]:
+    """Long user messages (articles, reports, stories), 600-2400 characters."""
+    def text_of(msgs):
+        text = " ".join(m.get("content", "") for m in msgs if isinstance(m, dict) and m.get("role") == "user")
+        return text if 600 <= len(text) <= 2400 else None
+
+    return _one_per_dataset(n, text_of, 50)
 
 
 def questions(n: int) -> list[str]:
-    """Short questions from the evals registry (one user message, 30-200 characters), one per dataset."""
-    from workloads import data_dir, samples
+    """Short questions (one user message, 30-200 characters on one line)."""
+    def text_of(msgs):
+        text = msgs[0].get("content") if len(msgs) == 1 and isinstance(msgs[0], dict) else None
+        return text if isinstance(text, str) and 30 <= len(text) <= 200 and "\n" not in text else None
 
-    out = []
-    for name in sorted(os.listdir(data_dir())):
-        try:
-            rows = samples(name)
-        except (OSError, json.JSONDecodeError):
-            continue
-        for row in rows[:20]:
-            msgs = row.get("input")
-            if isinstance(msgs, list) and len(msgs) == 1 and isinstance(msgs[0], dict):
-                text = msgs[0].get("content")
-                if isinstance(text, str) and 30 <= len(text) <= 200 and "\n" not in text and text not in out:
-                    out.append(text)
-                    break
-        if len(out) == n:
-            break
-    return out
+    return _one_per_dataset(n, text_of, 20)
 
 
 AGENT_SYSTEM = """You are a research agent. Answer the user's question by calling tools, one per turn, as

@@ -122,25 +122,31 @@ def test_a_projection_in_several_formats_runs_in_parts():
     assert torch.equal(_decode(runner, prompts, 5, True), _decode(runner, prompts, 5, False))
 
 
+class Counting:
+    """The C stack as a graph runner that records the rows of each step it runs."""
+
+    name = "counting"
+
+    def __init__(self, native):
+        self.native, self.calls = native, []
+
+    def takes(self, fb):
+        return self.native.takes(fb)
+
+    def run(self, x, fb, rope):
+        self.calls.append(fb.num_tokens)
+        return self.native.run(x, fb, rope)
+
+
 @needs_c
 def test_a_registered_graph_runner_takes_the_steps_it_claims(monkeypatch):
     from plait.runtime.model_executor import graph_runner
 
     runner = _runner(None)
-    native, calls = runner.model.graph, []
-
-    class Counting:  # the C stack, counting the steps it runs
-        name = "counting"
-
-        def takes(self, fb):
-            return native.takes(fb)
-
-        def run(self, x, fb, rope):
-            calls.append(fb.num_tokens)
-            return native.run(x, fb, rope)
-
+    counting = Counting(runner.model.graph)
+    calls = counting.calls
     monkeypatch.setattr(graph_runner, "GRAPH_RUNNERS",
-                        {"declines": lambda model, pool: None, "counting": lambda model, pool: Counting(),
+                        {"declines": lambda model, pool: None, "counting": lambda model, pool: counting,
                          **graph_runner.GRAPH_RUNNERS})
     runner.model.graph = graph_runner.build_graph_runner(runner.model, runner.kv_pool)
     assert runner.model.graph.name == "counting"
@@ -182,19 +188,8 @@ def test_verify_steps_run_through_the_stack():
     tokens one step at a time, and a tree's (each node sees its ancestors only) and a verify beside a decode item
     agree with the loop's."""
     runner = _runner(None)
-    native, calls = runner.model.graph, []
-
-    class Counting:
-        name = "counting"
-
-        def takes(self, fb):
-            return native.takes(fb)
-
-        def run(self, x, fb, rope):
-            calls.append(fb.num_tokens)
-            return native.run(x, fb, rope)
-
-    runner.model.graph = Counting()
+    runner.model.graph = Counting(runner.model.graph)
+    calls = runner.model.graph.calls
     prompt, other = _prompts(30000, [40, 17])
     chain = [11, 2024, 305, 9, 77]
     verify = _verify(runner, prompt, chain, None, True)

@@ -148,9 +148,10 @@ def draft_from(conts: list[list[int]], size: int, min_prob: float, tree: bool) -
 class _Own:
     """A request's own store: its prompt and the output tokens verified so far."""
 
-    def __init__(self) -> None:
+    def __init__(self, prompt: list[int]) -> None:
         self.index = SuffixIndex()
-        self.indexed_out = -1  # output tokens indexed (-1: not even the prompt)
+        self.index.extend(0, prompt)
+        self.indexed_out = 0  # output tokens indexed
 
 
 @register("SUFFIX")
@@ -199,11 +200,8 @@ class SuffixDrafter:
         verified ones."""
         own = self.own.get(req)
         if own is None:
-            own = self.own[req] = _Own()
+            own = self.own[req] = _Own(req.origin_input_ids)
         settled = req.output_len - len(req.draft)
-        if own.indexed_out < 0:
-            own.index.extend(0, req.origin_input_ids)
-            own.indexed_out = 0
         if settled > own.indexed_out:
             own.index.extend(0, req.output_ids[own.indexed_out : settled])
             own.indexed_out = settled
