@@ -178,10 +178,12 @@ def run(engine, jobs: list[list[str]], params: dict, batch: int) -> tuple[float,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None, help="the target (a path or a packaged model's name; default: the default "
+                    "model)")
     ap.add_argument("--workloads", default="chat,code,summary,json,agent")
     ap.add_argument("--algorithms", default="EAGLE3,NGRAM,SUFFIX",
                     help="EAGLE3 runs the head shipped for the default model; EAGLE3:4 drafts trees of top-4 expansions; "
-                    "EAGLE3@DIR runs the head in DIR")
+                    "EAGLE3@DIR runs the head in DIR; STANDALONE@MODEL drafts with MODEL (a path or a packaged name)")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--rounds", type=int, default=2, help="each measured this many times, alternating engines")
     ap.add_argument("--requests", type=int, default=0, help="requests per batch size (default: max(4, 2 x batch))")
@@ -193,7 +195,8 @@ def main() -> None:
     from plait import Engine
 
     algorithms = args.algorithms.split(",")
-    common = dict(num_threads=args.threads, dtype=args.dtype, log_level="warning", max_total_tokens=65536)
+    common = dict(model_path=args.model, num_threads=args.threads, dtype=args.dtype, log_level="warning",
+                  max_total_tokens=65536)
     engines = {"off": Engine(**common)}
     for a in algorithms:  # NAME[:TOPK][@DIR]: an EAGLE draft tree of top-TOPK expansions; the head in DIR
         spec, _, head = a.partition("@")
@@ -245,7 +248,7 @@ def main() -> None:
     head = "| workload | batch | requests | tokens | tok/s off | " + " | ".join(
         f"tok/s {a} | speed-up | decode speed-up | accept length | draft kept | identical" for a in algorithms) + \
         " | load |"
-    lines = [f"# Speculative decoding ({', '.join(algorithms)}) vs none\n",
+    lines = [f"# Speculative decoding ({', '.join(algorithms)}) vs none{f' on {args.model}' if args.model else ''}\n",
              f"`{cmd.strip()}` ({args.threads} threads, {args.dtype}, greedy, {args.num_draft_tokens} tokens per verify "
              f"at most, best of {args.rounds})\n", head, "|" + "---|" * (6 + 6 * len(algorithms))]
     for name, batch, n, tokens, off, per, load in rows:

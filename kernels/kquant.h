@@ -517,7 +517,7 @@ static void krun_rows(const KJob *j, int64_t begin, int64_t end, int64_t m0, int
 #endif
     if (n + TILE_N <= end) {
       for (; m + TILE_M_K <= j->m; m += TILE_M_K) KWHOLE_TILE(j, n, m, TILE_M_K, fmt);
-      for (; m < j->m; ++m) KWHOLE_TILE(j, n, m, 1, fmt);
+      REST_ROWS(KWHOLE_TILE, j, n, m, TILE_M_K, fmt);
     } else {
       for (; m < j->m; ++m) ktile(j, n, (int)(end - n), 0, m, 1, fmt);
     }

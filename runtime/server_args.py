@@ -93,10 +93,12 @@ class ServerArgs:
         "target's hidden states (--speculative-draft-model-path; the default model has one shipped); NGRAM drafts "
         "what followed the sequence's last tokens where they occurred before in it (prompt lookup, no draft "
         "model); SUFFIX what followed the longest earlier match in the request and in earlier requests' outputs "
-        "(suffix decoding, no draft model); drafts never change the output", [None, *ALGORITHMS])
+        "(suffix decoding, no draft model); STANDALONE drafts with a smaller model of the same vocabulary "
+        "(--speculative-draft-model-path); drafts never change the output", [None, *ALGORITHMS])
     speculative_draft_model_path: str | None = _arg(
-        None, "EAGLE/EAGLE3 head folder (config.json + safetensors in SGLang's layout); default: the head shipped "
-        "for the default model")
+        None, "EAGLE/EAGLE3: a head folder (config.json + safetensors in SGLang's layout; default: the EAGLE-3 head "
+        "shipped for the default model). STANDALONE: the draft model (a GGUF file, an HF folder or a packaged "
+        "model's name), of the target's vocabulary")
     speculative_num_steps: int | None = _arg(
         None, "EAGLE: most draft steps per verify (default: --speculative-num-draft-tokens - 1)")
     speculative_eagle_topk: int = _arg(
@@ -115,6 +117,10 @@ class ServerArgs:
     speculative_suffix_max_cached_requests: int = _arg(
         1000, "SUFFIX: earlier requests' outputs kept to draft from (the least recently matched dropped first; 0: "
         "only the request's own tokens)")
+    speculative_draft_vocab_size: int = _arg(
+        32768, "STANDALONE: the draft model's LM head keeps the first this many token ids and the stop tokens (BPE "
+        "numbers tokens roughly by frequency: the rare tail is seldom drafted, yet a large vocabulary's head is a "
+        "third of a small draft model's step); 0: the whole vocabulary")
     speculative_token_budget: int = _arg(
         12, "speculative drafts may grow a forward up to this many rows, less one per running request (past ~10 "
         "rows a CPU forward is compute-bound, so a busy batch drafts nothing; raise it on GPUs)")
@@ -216,6 +222,8 @@ class ServerArgs:
         if self.speculative_suffix_max_cached_requests < 0:
             raise ValueError("speculative_suffix_max_cached_requests must be >= 0, got "
                              f"{self.speculative_suffix_max_cached_requests}")
+        if self.speculative_draft_vocab_size < 0:
+            raise ValueError(f"speculative_draft_vocab_size must be >= 0, got {self.speculative_draft_vocab_size}")
         if self.speculative_token_budget < 0:
             raise ValueError(f"speculative_token_budget must be >= 0, got {self.speculative_token_budget}")
         if self.grammar_cache_size < 1:
@@ -262,11 +270,15 @@ class ServerArgs:
             grammar_backend = "none"
         draft = self.speculative_draft_model_path
         if draft is None and self._draft_model():
-            if self.model_path is not None:
+            if self.model_path is not None or not ALGORITHMS[self.speculative_algorithm].shipped:
                 raise ValueError(f"speculative_algorithm {self.speculative_algorithm} needs "
-                                 f"--speculative-draft-model-path ({self._draft_model()}; one ships only for the "
-                                 "default model)")
+                                 f"--speculative-draft-model-path ({self._draft_model()}; an EAGLE-3 head ships "
+                                 "only for the default model)")
             draft = default_draft_path()
+        elif draft is not None:
+            from plait.runtime.model_loader.packaged import resolve
+
+            draft = resolve(draft)  # a packaged model's name -> its cached file
         tp_size = max(self.tp_size, self.ep_size)
         # ranks on one machine share its cores: by default each takes an equal share instead of all of them
         local = self.local_ranks()

@@ -144,10 +144,12 @@ def _check_past_the_window(http, ref_model, ids: list[int], stops: list[int]) ->
     assert r.json()["meta_info"]["cached_tokens"] > len(ids) - 16
 
 
+@pytest.mark.slow  # the tiny random configs cover the architectures in the default run
 def test_gemma3_270m_matches_transformers():
     _check_model("gemma-3-270m", ["Name three colours of the rainbow.", "What is 12 times 11?"])
 
 
+@pytest.mark.slow  # the tiny random configs cover the architectures in the default run
 def test_qwen25_coder_05b_matches_transformers():
     _check_model("qwen2.5-coder-0.5b", ["Write a Python function that returns the square of a number."])
 

@@ -140,10 +140,14 @@ def test_verification_samples_the_models_distribution(shape):
 # what they keep depends on the drafts alone, not on this machine's timings. The trees run in the slow target
 # (`make test-slow`; the tree mask itself is checked at the logits level in test_eagle.py, and the tree walk's
 # distribution above)
-ALGORITHMS = ["NGRAM", "SUFFIX", "EAGLE3", pytest.param("EAGLE3-tree", marks=pytest.mark.slow)]
+ALGORITHMS = ["NGRAM", "SUFFIX", "EAGLE3", "STANDALONE", pytest.param("EAGLE3-tree", marks=pytest.mark.slow)]
 _FLAGS = {"NGRAM": {"speculative_algorithm": "NGRAM", "speculative_draft_policy": "fixed"},
           "SUFFIX": {"speculative_algorithm": "SUFFIX", "speculative_draft_policy": "fixed"},
           "EAGLE3": {"speculative_algorithm": "EAGLE3"},
+          # the target as its own draft model, its whole vocabulary: under batch-invariant kernels its picks are the
+    # target's own
+          "STANDALONE": {"speculative_algorithm": "STANDALONE", "speculative_draft_policy": "fixed",
+                         "speculative_draft_vocab_size": 0},
           "EAGLE3-tree": {"speculative_algorithm": "EAGLE3", "speculative_eagle_topk": 4,
                           "speculative_draft_policy": "fixed"}}
 
@@ -154,6 +158,7 @@ def deterministic():
     row's logits do not depend on what shares its forward, so verified rows equal decoded ones bit for bit),
     each started when a test first asks for it."""
     from plait import Engine
+    from plait.runtime.server_args import default_model_path
 
     common = dict(num_threads=THREADS, max_total_tokens=16384, dtype="float32", log_level="warning",
                   enable_deterministic_inference=True)
@@ -161,7 +166,10 @@ def deterministic():
 
     def get(algorithm: str | None):
         if algorithm not in engines:
-            engines[algorithm] = Engine(**common, **_FLAGS.get(algorithm, {}))
+            flags = dict(_FLAGS.get(algorithm, {}))
+            if algorithm == "STANDALONE":
+                flags["speculative_draft_model_path"] = default_model_path()
+            engines[algorithm] = Engine(**common, **flags)
         return engines[algorithm]
 
     yield get
@@ -181,8 +189,17 @@ def _run(engine, texts, params, batch: int) -> list[dict]:
     return outs
 
 
-@pytest.mark.parametrize("batch,n", [(1, 6), (8, 16), pytest.param(1, 32, marks=pytest.mark.slow),
-                                     pytest.param(8, 32, marks=pytest.mark.slow)])
+def _cases(batch: int, n: int, default: tuple[str, ...]) -> list:
+    """(algorithm, batch, n) for each algorithm: in the default run for `default`, else in `make test-slow`."""
+    names = [a if isinstance(a, str) else a.values[0] for a in ALGORITHMS]
+    return [pytest.param(a, batch, n, marks=() if a in default else pytest.mark.slow) for a in names]
+
+
+# batches are checked by default where the drafter keeps K/V at the target's slots (the model drafters); the
+# lookups' batches, and every drafter's longer sets, in `make test-slow`
+@pytest.mark.parametrize("engines,batch,n", _cases(1, 6, ("NGRAM", "SUFFIX", "EAGLE3", "STANDALONE"))
+                         + _cases(8, 16, ("EAGLE3", "STANDALONE")) + _cases(1, 32, ()) + _cases(8, 32, ()),
+                         indirect=["engines"])
 def test_drafted_outputs_are_token_identical(engines, batch, n):
     plain, spec = engines
     texts = prompts(plain.tokenizer, n)
@@ -199,6 +216,9 @@ def test_drafted_outputs_are_token_identical(engines, batch, n):
         # NGRAM copies long runs of these repeat-and-rewrite tasks; the small EAGLE-3 head keeps less per verify
         longest = max(g["meta_info"].get("spec_accept_length", 0) for g in got)
         assert longest > (2 if spec.args.speculative_algorithm == "NGRAM" else 1.4), longest
+        if spec.args.speculative_algorithm == "STANDALONE":  # the target drafting for itself: every draft is kept
+            drafted = info["spec_draft_tokens"] - before["spec_draft_tokens"]
+            assert kept == drafted, (kept, drafted)
     # fewer forwards than tokens: the kept drafts saved steps
     assert sum(g["meta_info"]["spec_verify_ct"] for g in got if "spec_verify_ct" in g["meta_info"]) > 0
 
@@ -269,6 +289,21 @@ def _close(a, b) -> bool:
     return a == b
 
 
+def test_a_draft_models_subset_head_gives_its_tokens_logits(runner):
+    """STANDALONE's restricted LM head: column i is token ids[i]'s logit of the full head (8-bit blocks: close)."""
+    from plait.runtime.speculative.standalone import SubsetHead
+
+    torch.manual_seed(0)
+    ids = torch.tensor(sorted(set(range(1000)) | {2, 49151}))
+    head = SubsetHead(runner.model.lm_head, ids)
+    x = torch.randn(3, runner.config.hidden_size)
+    full = runner.model.lm_head(x).float()[:, ids]
+    got = head(x)
+    assert got.shape == (3, len(ids))
+    assert ((got - full).norm() / full.norm()).item() < 1e-2
+    assert torch.equal(ids[got.argmax(-1)], ids[full.argmax(-1)])
+
+
 def test_speculative_flags_are_validated():
     from plait.runtime.server_args import ServerArgs, default_model_path
 
@@ -280,6 +315,14 @@ def test_speculative_flags_are_validated():
         ServerArgs(speculative_eagle_topk=0)
     with pytest.raises(ValueError, match="page_size 1"):
         ServerArgs(speculative_eagle_topk=4, page_size=2)
+    with pytest.raises(ValueError, match="STANDALONE needs --speculative-draft-model-path"):
+        ServerArgs(speculative_algorithm="STANDALONE").resolved()  # no draft model ships for it
+    from plait.runtime.speculative.standalone import _check_vocabulary
+
+    smol, qwen = (SimpleNamespace(tokenizer=None, config=SimpleNamespace(vocab_size=v)) for v in (49152, 151936))
+    with pytest.raises(ValueError, match="its vocabulary is not the target's"):
+        _check_vocabulary(smol, qwen, "qwen.gguf")
+    _check_vocabulary(qwen, qwen, "qwen.gguf")
     resolved = ServerArgs(speculative_algorithm="EAGLE3").resolved()
     assert resolved.speculative_draft_model_path.endswith("SmolLM2-135M-Instruct-EAGLE3")
     assert resolved.speculative_num_steps == resolved.speculative_num_draft_tokens - 1
@@ -328,6 +371,13 @@ def test_draft_sizes_follow_measured_cost_and_acceptance():
         cost.record(rows, t)
     assert choose_sizes(cost, 1, a(0.3), [7], 12, overhead=0.02)[0] <= 2
     assert choose_sizes(cost, 1, [Acceptance(0.3, 0.95)], [7], 12, overhead=0.02)[0] >= 5
+    # a draft model's pass, priced by the requests it drafts for: one request's pass is cheap, a pass over two
+    # costs more than a second request's first draft token gains, so one request drafts
+    passes = RowCost()
+    passes.record(1, 0.005)
+    passes.record(2, 0.2)
+    sizes = choose_sizes(cost, 2, a(0.9, 0.9), [3, 3], 6, step_seconds=passes)
+    assert sorted(sizes)[0] == 0 and max(sizes) > 0, sizes
     copying = Acceptance()
     for kept, tried in ((0, 1), (5, 5), (0, 1), (5, 5), (0, 1), (0, 1)):
         copying.update(kept, tried)

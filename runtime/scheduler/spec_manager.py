@@ -64,10 +64,10 @@ class SpecManager:
         self.no_room = False  # the row budget (or a queue) leaves no room for drafts this step
         self.base_rows = 0  # rows the next forward holds without drafts
         self.cost = RowCost()
-        self.step_seconds = 0.0  # a draft pass's running mean wall time (a model drafter's; lookups take none)
+        self.pass_cost = RowCost()  # a draft pass's wall time by requests drafting (a model drafter's; lookups take none)
         self.forward_seconds = 0.0  # the latest decode forward's wall time
         self.overhead = 0.0  # running mean of a decode step's wall time beyond its forward and its draft steps
-        self.drafting_seconds = 0.0  # this step's draft steps (priced apart, by step_seconds)
+        self.drafting_seconds = 0.0  # this step's draft steps (priced apart, by pass_cost)
         # realized tokens a second of whole decode steps (forward, verify, sampling, the head's pass, drafting),
         # by running requests, for steps that verified speculative drafts (True) and steps that did not (False):
         # what the cost model leaves out (the walk, the head, Python) is in these
@@ -126,7 +126,7 @@ class SpecManager:
             chosen = fill_caps(limits, self.budget)
         else:
             chosen = choose_sizes(self.cost, self.base_rows, [r.spec_accept for r in cands], limits, self.budget,
-                                  self.step_seconds, self.overhead)
+                                  self.pass_cost, self.overhead)
         for req, n in zip(cands, chosen):
             if n == 0:  # no verify will update its acceptance: drift back to the prior, so it is tried again
                 req.spec_accept.relax()
@@ -139,7 +139,7 @@ class SpecManager:
         proposal = self.drafter.propose(DraftStep(committed, sizes, depths, self.no_room))
         self.drafting_seconds = proposal.seconds
         if proposal.steps:
-            self.step_seconds = running_mean(self.step_seconds or None, proposal.seconds / proposal.steps, _EMA)
+            self.pass_cost.record(len(sizes), proposal.seconds / proposal.steps)
         for req, size in sizes.items():
             draft = proposal.drafts.get(req)
             tokens = draft.tokens if draft is not None else []
@@ -284,6 +284,15 @@ class SpecManager:
             # tokens each verify yields: the kept draft and the model's own next token
             "spec_accept_length": round(1 + self.kept["speculative"] / self.spec_verifies, 4)
             if self.spec_verifies else None,
+            # what the measured policy weighs: forwards by rows, draft passes by drafting requests, and the realized
+            # tokens a second by running requests, with and without drafts
+            "spec_policy": {
+                "forward_ms": {r: round(t * 1e3, 1) for r, t in sorted(self.cost.seconds.items())},
+                "draft_pass_ms": {r: round(t * 1e3, 1) for r, t in sorted(self.pass_cost.seconds.items())},
+                "realized_tok_s": {n: {("drafts" if k else "plain"): round(v.rate, 1) for k, v in rates.items()}
+                                   for n, rates in sorted(self.realized.items())},
+                "held_back_steps": dict(sorted(self.held_back.items())),
+            } if self.drafter is not None else None,
             **(self.drafter.stats() if self.drafter is not None else {}),
         }
 

@@ -70,11 +70,18 @@ class RowCost:
 
 
 def choose_sizes(cost: RowCost, base_rows: int, accepts: list[Acceptance], caps: list[int], budget: int,
-                 step_seconds: float = 0.0, overhead: float = 0.0) -> list[int]:
+                 step_seconds: float | RowCost = 0.0, overhead: float = 0.0) -> list[int]:
     """Draft tokens per request (caps[i] at most, `budget` in all) maximising expected tokens per second of a
     step whose forward also holds `base_rows` rows (none until a forward of `base_rows` rows was measured). Drafting
-    itself costs `step_seconds` per draft step (the deepest draft's length; an EAGLE head's pass), and every step
-    `overhead` beyond its forward (sampling, grammar masks, bookkeeping: what makes extra rows relatively cheap)."""
+    itself costs `step_seconds` per draft step (the deepest draft's length; an EAGLE head's or a draft model's
+    pass): a constant, or measured by how many requests draft in the pass (a RowCost keyed by requests: a draft
+    model's pass over four requests costs more than over one), and every step `overhead` beyond its forward
+    (sampling, grammar masks, bookkeeping: what makes extra rows relatively cheap)."""
+    def per_pass(requests: int) -> float:
+        if isinstance(step_seconds, RowCost):
+            return step_seconds.estimate(requests) or 0.0
+        return step_seconds
+
     sizes = [0] * len(accepts)
     if base_rows not in cost.seconds:
         return sizes  # a plain step first: its time is what every draft is weighed against
@@ -92,7 +99,8 @@ def choose_sizes(cost: RowCost, base_rows: int, accepts: list[Acceptance], caps:
     for m, i in enumerate(order, start=1):
         counts[i] += 1
         tokens += accepts[i].kept(counts[i])
-        rate = tokens / (cost.estimate(base_rows + m) + overhead + step_seconds * max(counts))
+        drafting = per_pass(sum(c > 0 for c in counts)) * max(counts)
+        rate = tokens / (cost.estimate(base_rows + m) + overhead + drafting)
         if rate > best_rate:
             best_rate, best_m = rate, m
     for i in order[:best_m]:

@@ -29,14 +29,17 @@ if TYPE_CHECKING:
 class Algorithm:
     module: str  # the module under plait.runtime.speculative that registers its drafter (imported on first use)
     draft_model: str | None = None  # what --speculative-draft-model-path names for it (None: it takes none)
+    shipped: bool = False  # the default model has one shipped (used when no path is given)
 
 
 # --speculative-algorithm -> its drafter's module. A new drafter adds its module and one line here
 ALGORITHMS: dict[str, Algorithm] = {
     "EAGLE": Algorithm("eagle_worker", "an EAGLE head folder"),
-    "EAGLE3": Algorithm("eagle_worker", "an EAGLE-3 head folder"),
+    "EAGLE3": Algorithm("eagle_worker", "an EAGLE-3 head folder", shipped=True),
     "NGRAM": Algorithm("ngram"),
     "SUFFIX": Algorithm("suffix"),
+    "STANDALONE": Algorithm("standalone", "a draft model of the target's vocabulary (GGUF file, HF folder or "
+                                          "packaged model name)"),
 }
 
 
