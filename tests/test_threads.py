@@ -44,3 +44,15 @@ def test_probes_that_lose_come_ever_less_often_and_a_switch_starts_them_over():
     switched = next(i for i in range(1, len(used)) if used[i] == 1 and used[i - 1] == 2) + 4
     assert switched <= 132 and used[switched:switched + 16] == [1] * 16  # the next probe of 2 threads: 16 later
     assert used[switched + 16] == 2
+
+
+def test_a_probe_is_weighed_against_steps_of_its_own_size():
+    """Per token, a bigger batch costs less: a probe run on bigger steps than the steps before it must not look
+    faster for that (plain decode steps of a speculative run come at any batch size)."""
+    gov = ThreadGovernor(2, probe_every=4, probe_steps=2)
+    per_token = {(2, 1): 4.0, (2, 4): 1.0, (1, 1): 6.0, (1, 4): 1.5}  # two threads always faster, any size
+    for i in range(400):
+        tokens = 1 if (i // 3) % 2 == 0 else 4  # sizes change every few steps
+        n = gov.threads()
+        gov.record(per_token[n, tokens] * tokens / 1e3, tokens)
+    assert gov.current == 2 and gov.switches == 0

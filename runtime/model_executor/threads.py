@@ -12,7 +12,8 @@ probe and the same number of steps just before it (by more than `margin`, so noi
 it). A probe that loses doubles the wait before the next one, up to `max_probe_every`: on a quiet
 machine the probes ran one step in sixteen at half speed (6% of batch-1 decode), and a neighbour
 that arrives is still noticed within that many steps. A switch starts the waits over. Decode steps
-only: their cost follows the batch, which changes slowly, while a prefill chunk's does not. With
+only, and a probe is weighed size by size against the steps of its own batch sizes: a step's cost per token
+falls as its batch grows, and under speculation plain decode steps come at any batch size now and then. With
 one thread to give there is nothing to choose and it does nothing.
 """
 
@@ -60,10 +61,11 @@ class ThreadGovernor:
         self._probe.append((seconds, tokens))
         if len(self._probe) < self.probe_steps:
             return
-        base, probe = _per_token(self._recent), _per_token(self._probe)
-        if probe < base * (1 - self.margin):
-            logger.info("forward threads %d -> %d (%.2f vs %.2f ms per token)", self.current, self._other(),
-                        probe * 1e3, base * 1e3)
+        ratio = _ratio(self._recent, self._probe)
+        if ratio is None:  # no step of the probe's sizes before it: nothing to weigh, try again soon
+            self.wait = self.probe_every
+        elif ratio < 1 - self.margin:
+            logger.info("forward threads %d -> %d (%.2fx the time per token)", self.current, self._other(), ratio)
             self.current = self._other()
             self.switches += 1
             self.wait = self.probe_every
@@ -79,6 +81,17 @@ class ThreadGovernor:
 
 def _per_token(samples) -> float:
     return sum(s for s, _ in samples) / max(1, sum(n for _, n in samples))
+
+
+def _ratio(base, probe) -> float | None:
+    """The probe's time per token over the steps' before it, size by size (a bigger batch costs less per token,
+    so sizes are never mixed), weighted by the probe's steps of each size; None when they share no size."""
+    sizes = {n for _, n in probe} & {n for _, n in base}
+    if not sizes:
+        return None
+    weight = {n: sum(1 for _, m in probe if m == n) for n in sizes}
+    return sum(weight[n] * _per_token([x for x in probe if x[1] == n]) / _per_token([x for x in base if x[1] == n])
+               for n in sizes) / sum(weight.values())
 
 
 def apply(threads: int) -> None:
