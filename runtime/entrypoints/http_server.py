@@ -238,10 +238,11 @@ def create_app(state: ServerState) -> FastAPI:
             raise HTTPError(400, f"unknown field(s) in /join_kv: {', '.join(unknown)}")
         return await state.client.join_kv(body.get("fork_text"), body.get("branch_texts"), body.get("kv_joins"))
 
-    if args.enable_metrics:
-        @app.get("/metrics")
-        async def metrics():
-            return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+    @app.get("/metrics")
+    async def metrics():
+        if state.metrics is None:
+            raise HTTPError(404, "metrics are off: start the server with --enable-metrics")
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     from plait.runtime.entrypoints.openai_api import add_openai_routes
 

@@ -215,7 +215,7 @@ def _forced_tool_schema(req: ChatCompletionRequest) -> dict:
         raise HTTPError(400, "tool_choice 'required' or a named function cannot be combined with "
                              "response_format, regex or ebnf")
     name = req.tool_choice.function.name if mode == "named" else None
-    return {"json_schema": tool_call_schema(req.tools, mode, name, req.parallel_tool_calls)}
+    return {"json_schema": tool_call_schema(req.tools, mode, name, req.parallel_tool_calls is True)}
 
 
 def _max_new_tokens(client: RuntimeClient, prompt_len: int, requested: int | None) -> int:
@@ -355,8 +355,7 @@ class _Chat(_View):
         if self.tool_mode == "none" or finish == "abort":
             return {"role": "assistant", "content": st.text}, finish
         if self.tool_mode in ("required", "named"):
-            if finish != "stop":  # cut short: not a complete call
-                return {"role": "assistant", "content": st.text}, finish
+            # the grammar's JSON is never content: its complete calls, even where max_tokens cut the rest
             content, calls = None, parse_constrained(st.text)
         else:
             content, calls = parse_free(st.text, self.req.tools)

@@ -205,7 +205,9 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    # None (not sent): one call, as the grammar then ends after it (a small model asked for a list of calls repeats
+    # one until max_tokens); true: a list of one or more
+    parallel_tool_calls: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 

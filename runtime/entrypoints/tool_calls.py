@@ -2,7 +2,8 @@
 tells a model about its tools, and the parser that reads calls back out of generated text.
 
 Calls are JSON: `{"name": ..., "arguments": {...}}` (a list of them for tool_choice
-"required"), constrained to the tools' parameter schemas when the caller requires a call.
+"required": of one call unless `parallel_tool_calls` is true), constrained to the tools' parameter schemas
+when the caller requires a call.
 With "auto" the model writes freely and calls are parsed from `<tool_call>...</tool_call>`
 blocks (Hermes/Qwen style) or from output that is itself a call object or list.
 """
@@ -19,21 +20,57 @@ from plait.runtime.entrypoints.openai_protocol import Tool
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-def _call_schema(tool: Tool) -> dict:
-    params = tool.function.parameters or {"type": "object", "properties": {}}
+def _call_schema(tool: Tool, index: int, defs: dict) -> dict:
+    """A call of `tool`; the definitions its parameters keep (`$defs`, `definitions`) move into `defs`, renamed
+    for the tool, since its parameters no longer sit at the root their `#/$defs/...` references point to."""
+    params = _hoisted(tool.function.parameters or {"type": "object", "properties": {}}, f"t{index}_", defs)
     return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
+def _hoisted(params: dict, prefix: str, defs: dict) -> dict:
+    own = {**params.get("definitions", {}), **params.get("$defs", {})}
+    renamed = {name: f"{prefix}{name}" for name in own}
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: rewrite(v) for k, v in node.items()}
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                if ref == "#":  # the parameters themselves (a recursive model)
+                    out["$ref"] = f"#/$defs/{prefix}root"
+                    renamed.setdefault("#", f"{prefix}root")
+                for kind in ("#/$defs/", "#/definitions/"):
+                    name = ref[len(kind):].split("/")[0]
+                    if ref.startswith(kind) and name in renamed:
+                        out["$ref"] = f"#/$defs/{renamed[name]}" + ref[len(kind) + len(name):]
+            return out
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    body = rewrite({k: v for k, v in params.items() if k not in ("$defs", "definitions")})
+    for name, schema in own.items():
+        defs[renamed[name]] = rewrite(schema)
+    if "#" in renamed:
+        defs[renamed["#"]] = body
+    return body
+
+
 def tool_call_schema(tools: list[Tool], mode: str, name: str | None, parallel: bool) -> str:
     """JSON schema of the output when a call is required ("required") or named ("named")."""
+    defs: dict = {}
     if mode == "named":
-        return json.dumps(_call_schema(next(t for t in tools if t.function.name == name)))
-    calls = [_call_schema(t) for t in tools]
-    item = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
+        index = next(i for i, t in enumerate(tools) if t.function.name == name)
+        schema = _call_schema(tools[index], index, defs)
+    else:
+        calls = [_call_schema(t, i, defs) for i, t in enumerate(tools)]
+        item = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = {"type": "array", "items": item, "minItems": 1}
+        if not parallel:
+            schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return json.dumps(schema)
 
 
@@ -55,10 +92,30 @@ def make_call(name: str, arguments: Any) -> dict:
 
 
 def parse_constrained(text: str) -> list[dict]:
-    """Calls from output generated under tool_call_schema (always valid JSON unless cut short)."""
-    data = json.loads(text)
+    """Calls from output generated under tool_call_schema: valid JSON, or a prefix of it where max_tokens cut it
+    short, of which the complete calls are returned (none of a cut single call)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = _complete_items(text)
     items = data if isinstance(data, list) else [data]
     return [make_call(c["name"], c["arguments"]) for c in items]
+
+
+def _complete_items(text: str) -> list:
+    """The complete items at the start of a JSON array cut short (`[{...}, {...}, {"na`)."""
+    decoder, items = json.JSONDecoder(), []
+    pos = text.find("[") + 1
+    if pos == 0:
+        return items
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
 
 
 def parse_free(text: str, tools: list[Tool]) -> tuple[str | None, list[dict]]:
