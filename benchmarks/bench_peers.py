@@ -415,7 +415,6 @@ def _greedy(runner, prompt: list[int], n: int) -> list[int]:
 
 
 def _logprobs(runner, prompt: list[int], cont: list[int]):
-    from plait.runtime.model_executor.forward_batch import ForwardMode
     from plait.runtime.model_executor.model_runner import WorkItem
 
     seq = prompt + cont

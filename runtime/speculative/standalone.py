@@ -21,11 +21,9 @@ draft keeps, while a 152k-entry LM head is a third of a small draft model's step
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
-
 from torch import nn
 
 from plait.kernels import cpu_quant
@@ -34,8 +32,6 @@ from plait.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode
 from plait.runtime.model_executor.graph_runner import build_graph_runner
 from plait.runtime.model_loader import load_model
 from plait.runtime.speculative.drafter import Draft, DraftStep, Proposal, register
-
-logger = logging.getLogger(__name__)
 
 
 @register("STANDALONE")
