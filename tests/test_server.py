@@ -526,6 +526,27 @@ def test_tool_parameters_with_nested_models(oai):
         jsonschema.validate(json.loads(call.function.arguments), params)
 
 
+def test_a_refused_grammar_is_an_http_error_before_the_stream_starts(oai, http):
+    """A schema no backend can enforce is refused with a 400, streamed or not: never an error event inside a 200."""
+    import openai
+
+    broken = {"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}, "required": ["a"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": broken}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="Missing"):
+            out = oai.chat.completions.create(model="default", tools=[tool], tool_choice="required", stream=stream,
+                                              max_tokens=16, messages=[{"role": "user", "content": "hi"}])
+            if stream:
+                list(out)
+    r = http.post("/generate", json={"text": "hi", "stream": True,
+                                     "sampling_params": {"json_schema": json.dumps(broken), "max_new_tokens": 8}})
+    assert r.status_code == 400 and "Missing" in r.json()["error"]["message"]
+    ok = http.post("/generate", json={"text": "hi", "stream": True, "sampling_params": {
+        "json_schema": json.dumps({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}),
+        "max_new_tokens": 16}})
+    assert ok.status_code == 200 and ok.text.rstrip().endswith("data: [DONE]")
+
+
 def test_complete_calls_of_a_cut_list():
     from plait.runtime.entrypoints.tool_calls import parse_constrained
 

@@ -160,6 +160,8 @@ def create_app(state: ServerState) -> FastAPI:
         msgs = await client.tokenize_async(inp)
         gen = client.results(client.submit(msgs, inp.return_text_in_logprobs), inp.stream, inp.single)
         if inp.stream:
+            if constrained(msgs):
+                gen = await started(request, client, gen)
             return StreamingResponse(sse(request, gen), media_type="text/event-stream")
         return JSONResponse(await first_or_disconnect(request, client, gen))
 
@@ -333,6 +335,47 @@ async def first_or_disconnect(request: Request, client: RuntimeClient, gen: Asyn
                 pass
             await gen.aclose()
             raise HTTPError(499, "client disconnected")
+
+
+def constrained(msgs) -> bool:
+    """Whether some request carries a grammar (whose compile may refuse it)."""
+    return any(m.sampling_params.regex is not None or m.sampling_params.json_schema is not None
+               or m.sampling_params.ebnf is not None for m in msgs)
+
+
+async def started(request: Request, client: RuntimeClient, gen: AsyncIterator) -> AsyncIterator:
+    """`gen` once its first item is here, that item included: a refusal before it (a grammar no backend can
+    enforce, a dead runtime) is raised now and answered with its HTTP status, not sent inside a 200 stream."""
+    it = gen.__aiter__()
+    task = asyncio.ensure_future(it.__anext__())
+    while not task.done():
+        await asyncio.wait({task}, timeout=_DISCONNECT_POLL)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, StopAsyncIteration):
+                pass
+            await gen.aclose()  # its requests are aborted
+            raise HTTPError(499, "client disconnected")
+    try:
+        first = task.result()
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await gen.aclose()
+        raise
+
+    async def chained():
+        try:
+            if first is not None:
+                yield first
+            async for item in it:
+                yield item
+        finally:
+            await gen.aclose()  # the stream's end or its client's leaving aborts what is unfinished
+
+    return chained()
 
 
 async def sse(request: Request, gen: AsyncIterator[dict], render=None) -> AsyncIterator[bytes]:

@@ -16,7 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from plait.runtime.entrypoints.http_server import HTTPError, ServerState, first_or_disconnect, read_json, sse, validation_message
+from plait.runtime.entrypoints.http_server import (HTTPError, ServerState, constrained, first_or_disconnect, read_json, sse,
+                                                   started, validation_message)
 from plait.runtime.managers.io_struct import TokenizedGenerateReq
 from plait.runtime.managers.limits import validate_request
 from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -108,6 +109,8 @@ async def _respond(request: Request, client: RuntimeClient, states: list[ReqStat
     """SSE chunks as the requests progress, or one response when they are all done."""
     gen = client.results(states, view.req.stream, single=False)
     if view.req.stream:
+        if constrained([st.msg for st in states]):
+            gen = await started(request, client, gen)
         return StreamingResponse(sse(request, gen, view.chunk), media_type="text/event-stream")
     await first_or_disconnect(request, client, gen)
     return JSONResponse(view.final())
