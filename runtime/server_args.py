@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from plait.runtime.constrained.base import BACKENDS, JSON_KEY_ORDER, JSON_WHITESPACE
+from plait.runtime.parsers import REASONING_PARSERS, TOOL_PARSERS
 from plait.runtime.speculative.drafter import ALGORITHMS
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,6 +87,15 @@ class ServerArgs:
     disable_grammar_closing: bool = _arg(
         False, "let a constrained output run into max_new_tokens unfinished, instead of closing its grammar (the "
         "shortest completion found, then the end) when the tokens left only just hold that")
+    tool_call_parser: str = _arg(
+        "auto", "how the model writes tool calls, read back into tool_calls (README: Tools): hermes/qwen25 "
+        "(<tool_call> blocks), llama3 (JSON after <|python_tag|>), mistral ([TOOL_CALLS] lists), generic (<tool_call> "
+        "blocks or a reply that is a call's JSON); auto: the format the chat template writes, else generic",
+        ["auto", *TOOL_PARSERS])
+    reasoning_parser: str = _arg(
+        "auto", "return a reply's <think> block apart as reasoning_content: qwen3 (a block the reply opens with), "
+        "deepseek-r1 (the reply is reasoning up to </think>); auto: qwen3 where the chat template knows </think>",
+        ["auto", "none", *REASONING_PARSERS])
     jump_forward_token_budget: int = _arg(
         12, "jump-forward drafts may grow a decode forward up to this many tokens (beyond about 10 rows a "
             "float32 forward on 2 CPU cores is compute-bound and drafts stop paying; raise it on GPUs)")

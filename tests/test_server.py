@@ -551,9 +551,10 @@ def test_complete_calls_of_a_cut_list():
     from plait.runtime.entrypoints.tool_calls import parse_constrained
 
     cut = '[{"name": "a", "arguments": {"x": [1, "]"]}}, {"name": "b", "arguments": {}}, {"name": "c", "argu'
-    assert [c["function"]["name"] for c in parse_constrained(cut)] == ["a", "b"]
+    assert [c.name for c in parse_constrained(cut)] == ["a", "b"]
     assert parse_constrained('[{"name": "a", "argu') == [] and parse_constrained('{"name": "a"') == []
-    assert [c["function"]["name"] for c in parse_constrained('{"name": "a", "arguments": {}}')] == ["a"]
+    assert parse_constrained('{"name": "a", "arguments": {"xs": [1, 2') == []  # a cut single call: no list inside
+    assert [c.name for c in parse_constrained('{"name": "a", "arguments": {}}')] == ["a"]
 
 
 def test_openai_streamed_tool_call_deltas_reassemble(oai):

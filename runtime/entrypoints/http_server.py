@@ -26,6 +26,7 @@ from plait.runtime.entrypoints.http_guard import BodyError, Guard, error_body, p
 from plait.runtime.managers.launcher import RuntimeProcesses
 from plait.runtime.managers.limits import MAX_JOIN_ID_CHARS, MAX_KV_JOINS
 from plait.runtime.server_args import ServerArgs
+from plait.runtime.parsers import ReasoningParser, ToolCallParser, reasoning_parser, tool_parser
 from plait.runtime.managers.runtime_client import GenerateInput, QueueFull, RequestFailed, RuntimeClient, RuntimeDead
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class ServerState:
         self.runtime = runtime
         self.metrics = metrics
         self.client: RuntimeClient | None = None
+        self.tool_parser: ToolCallParser | None = None  # the model family's formats (set with the client)
+        self.reasoning_parser: ReasoningParser | None = None
         self.model_name = served_model_name(args)
         # names an OpenAI request may give for the one model served (others get a 404, as in vLLM)
         base = os.path.basename(args.model_path.rstrip("/"))
@@ -97,6 +100,10 @@ def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.client = RuntimeClient(state.runtime, state.metrics, on_death=lambda why: state.on_death(why))
+        template = getattr(state.client.tokenizer, "chat_template", None)
+        template = template if isinstance(template, str) else None
+        state.tool_parser = tool_parser(args.tool_call_parser, template)
+        state.reasoning_parser = reasoning_parser(args.reasoning_parser, template)
         yield
         await state.client.close()
 

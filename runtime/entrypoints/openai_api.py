@@ -23,8 +23,9 @@ from plait.runtime.managers.limits import validate_request
 from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from plait.runtime.sampling import SamplingParams
 from plait.runtime.managers.runtime_client import ReqState, RuntimeClient
-from plait.runtime.entrypoints.tool_calls import (parse_constrained, parse_free, template_renders_tools, tool_call_schema,
-                                      tools_system_prompt)
+from plait.runtime.entrypoints.tool_calls import (either_parse, either_schema, parse_constrained, tool_call_schema,
+                                                  wire_call)
+from plait.runtime.parsers import Call, ReasoningStream, ToolCallParser, ToolCallStream
 
 
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:
@@ -50,9 +51,9 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(request: Request):
         req = await _parse(request, ChatCompletionRequest, state)
         client = state.client
-        msgs = await asyncio.to_thread(_chat_requests, client, req)  # templates and tokenizing off the loop
+        msgs, inside = await asyncio.to_thread(_chat_requests, state, req)  # templates and tokenizing off the loop
         states = client.submit(msgs)
-        view = _Chat(state, req, states)
+        view = _Chat(state, req, states, inside)
         return await _respond(request, client, states, view)
 
 
@@ -93,13 +94,18 @@ def _completion_requests(client: RuntimeClient, req: CompletionRequest) -> tuple
     return msgs, prompts
 
 
-def _chat_requests(client: RuntimeClient, req: ChatCompletionRequest) -> list[TokenizedGenerateReq]:
-    ids = _chat_prompt(client, req)
+def _chat_requests(state: ServerState, req: ChatCompletionRequest) -> tuple[list[TokenizedGenerateReq], bool]:
+    """The requests of a chat body, and whether the prompt opened a reasoning block (the reply starts in it)."""
+    client = state.client
+    text = _chat_prompt(client, req, state.tool_parser)
+    ids = client.encode(text, "messages", add_special_tokens=False)
     max_new = _max_new_tokens(client, len(ids), req.max_completion_tokens or req.max_tokens)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    forced = _forced_tool_schema(req)
+    forced = _tool_grammar(req)
     params = [{**req.sampling_params(max_new, i), **forced} for i in range(req.n)]
-    return [_request(client, ids, params[i], top, req.stream) for i in range(req.n)]
+    reasoning = state.reasoning_parser
+    inside = reasoning is not None and text.rstrip().endswith(reasoning.open)
+    return [_request(client, ids, params[i], top, req.stream) for i in range(req.n)], inside
 
 
 _START = int(time.time())
@@ -133,21 +139,24 @@ def _completion_prompts(client: RuntimeClient, prompt) -> list[list[int]]:
     return out
 
 
-def _chat_prompt(client: RuntimeClient, req: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(client: RuntimeClient, req: ChatCompletionRequest, parser: ToolCallParser) -> str:
     tok = client.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise HTTPError(400, "this model has no chat template: use /v1/completions")
-    messages = [_message(m) for m in req.messages]
+    renders_tools = "tools" in tok.chat_template
+    messages = [_message(m, None if renders_tools else parser) for m in req.messages]
     kwargs = template_kwargs(tok, req.chat_template_kwargs)
     if req.tool_mode() != "none":
-        if template_renders_tools(tok):
+        if renders_tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-        else:  # tell the model about its tools in a system message of our own
-            note = tools_system_prompt(req.tools)
-            if messages[0]["role"] == "system":
-                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + note}
-            else:
-                messages.insert(0, {"role": "system", "content": note})
+        else:  # tell the model about its tools, in its family's call format, in a system message of our own
+            _add_system_note(messages, parser.instruction([
+                {"name": t.function.name, "description": t.function.description or "",
+                 "parameters": t.function.parameters or {}} for t in req.tools]))
+        final = req.grammar().get("json_schema")
+        if req.tool_mode() == "auto" and final is not None:  # the grammar takes a call or this: say when it is which
+            _add_system_note(messages, "Call a tool while you still need its result. Once you have what you need, "
+                             "reply instead with the final answer as a JSON object of this schema: " + final)
     continue_final = req.continue_final_message and messages[-1]["role"] == "assistant"
     try:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continue_final,
@@ -156,7 +165,14 @@ def _chat_prompt(client: RuntimeClient, req: ChatCompletionRequest) -> list[int]
         raise HTTPError(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
     if not isinstance(text, str):
         raise HTTPError(400, "the chat template did not render text")
-    return client.encode(text, "messages", add_special_tokens=False)
+    return text
+
+
+def _add_system_note(messages: list[dict], note: str) -> None:
+    if messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + note}
+    else:
+        messages.insert(0, {"role": "system", "content": note})
 
 
 # apply_chat_template's own arguments: a client may not set them through chat_template_kwargs
@@ -195,26 +211,30 @@ def _template_variables(template: str) -> frozenset[str]:
     return frozenset(meta.find_undeclared_variables(ImmutableSandboxedEnvironment().parse(template)))
 
 
-def _message(m) -> dict:
+def _message(m, parser: ToolCallParser | None) -> dict:
+    """A message for the template; `parser` (templates without tool support) writes past calls into content."""
     out: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.name:
         out["name"] = m.name
     if m.tool_calls:
         out["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-        if not out["content"]:  # templates without tool support still show the call
-            out["content"] = "\n".join(f'<tool_call>{{"name": "{c.function.name}", "arguments": {c.function.arguments}}}'
-                                       "</tool_call>" for c in m.tool_calls)
+        if not out["content"] and parser is not None:
+            out["content"] = parser.render([(c.function.name, c.function.arguments) for c in m.tool_calls])
     if m.tool_call_id:
         out["tool_call_id"] = m.tool_call_id
     return out
 
 
-def _forced_tool_schema(req: ChatCompletionRequest) -> dict:
-    """The json_schema constraint for tool_choice 'required' or a named function."""
+def _tool_grammar(req: ChatCompletionRequest) -> dict:
+    """The json_schema constraint for tool_choice 'required' or a named function, and for tools in auto mode
+    beside a json_schema response format (a call or the final object)."""
     mode = req.tool_mode()
+    given = req.grammar()
+    if mode == "auto" and given.get("json_schema") is not None:
+        return {"json_schema": either_schema(req.tools, given["json_schema"])}
     if mode not in ("required", "named"):
         return {}
-    if req.grammar():
+    if given:
         raise HTTPError(400, "tool_choice 'required' or a named function cannot be combined with "
                              "response_format, regex or ebnf")
     name = req.tool_choice.function.name if mode == "named" else None
@@ -343,28 +363,69 @@ class _Completion(_View):
                              "finish_reason": finish}]}
 
 
+class _Reply:
+    """One chat choice's reply as it grows: reasoning split off, then calls split from content, by the request's
+    mode. `feed` returns what to send now; a whole reply is one feed with final=True."""
+
+    def __init__(self, view: "_Chat"):
+        self.view = view
+        self.reasoning = ReasoningStream(view.reasoning, view.inside) if view.reasoning else None
+        self.tools = ToolCallStream(view.tool_parser, view.names) if view.tool_mode == "auto" else None
+        self.sent = 0  # content characters sent (no tool parsing)
+        self.calls_sent = 0  # calls sent (forced calls)
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[Call]]:
+        """(reasoning, content, new calls) to send for the reply so far."""
+        reasoning = ""
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text, final)
+            if text is None:
+                return reasoning, "", []
+        mode = self.view.tool_mode
+        if self.tools is not None:
+            content, calls = self.tools.feed(text, final)
+        elif mode in ("required", "named"):
+            # the grammar's JSON is never content: its complete calls, even where max_tokens cut the rest
+            found = parse_constrained(text)
+            content, calls = "", found[self.calls_sent:]
+            self.calls_sent = len(found)
+        elif mode == "either":  # only the whole output tells a call from the final object
+            if not final:
+                return reasoning, "", []
+            calls = either_parse(text, self.view.req.tools)
+            content = "" if calls else text
+        else:
+            content, calls, self.sent = text[self.sent:], [], len(text)
+        return reasoning, content, calls
+
+
 class _Chat(_View):
     prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, state, req: ChatCompletionRequest, states):
+    def __init__(self, state, req: ChatCompletionRequest, states, inside: bool):
         super().__init__(state, req, states)
         self.role_sent = [False] * len(states)
         self.tool_mode = req.tool_mode()
+        if self.tool_mode == "auto" and req.grammar().get("json_schema") is not None:
+            self.tool_mode = "either"
+        self.tool_parser, self.reasoning, self.inside = state.tool_parser, state.reasoning_parser, inside
+        self.names = {t.function.name for t in req.tools or []}
+        self.replies = [_Reply(self) for _ in states]
+        self.calls_sent = [0] * len(states)
 
     def _message(self, st: ReqState) -> tuple[dict, str | None]:
-        """The assistant message and finish reason, with tool calls parsed out where tools are on."""
+        """The assistant message and finish reason, with reasoning and tool calls parsed out."""
         finish = _finish(st)
-        if self.tool_mode == "none" or finish == "abort":
+        if finish == "abort":
             return {"role": "assistant", "content": st.text}, finish
-        if self.tool_mode in ("required", "named"):
-            # the grammar's JSON is never content: its complete calls, even where max_tokens cut the rest
-            content, calls = None, parse_constrained(st.text)
-        else:
-            content, calls = parse_free(st.text, self.req.tools)
+        reasoning, content, calls = _Reply(self).feed(st.text, final=True)
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else content)}
+        if self.reasoning is not None:
+            message["reasoning_content"] = reasoning or None
         if not calls:
-            return {"role": "assistant", "content": content}, finish
-        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+            return message, finish
+        return {**message, "tool_calls": [wire_call(c) for c in calls]}, "tool_calls"
 
     def _logprobs(self, lps: list, tops: list) -> dict | None:
         if not self.req.logprobs:
@@ -389,40 +450,42 @@ class _Chat(_View):
                 "choices": choices, "usage": _usage(self.states, self.req.n)}
 
     def chunk(self, snap: dict) -> list[dict]:
-        if self.tool_mode == "none":
-            return super().chunk(snap)
-        # with tools, the text is only known to be a call or content once it is complete
+        """Content and reasoning as they come (less only what could begin a call or end the reasoning), each
+        call once it is complete, then the finish."""
         i = snap["index"]
         st = self.states[i]
-        if st.finish is None:
-            return []
-        self.sent_text[i] = len(st.text)
-        message, finish = self._message(st)
-        out = []
-        if "tool_calls" in message:
-            for k, call in enumerate(message["tool_calls"]):
-                fn = call["function"]
-                out.append(self._delta(i, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                                           "function": {"name": fn["name"], "arguments": ""}}]}))
-                out.append(self._delta(i, {"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]}))
-        elif message["content"]:
-            out.append(self._delta(i, {"content": message["content"]}))
-        out.append(self._delta(i, {}, finish))
-        return out + self._close(i)
+        finish = _finish(st)
+        if finish == "abort":
+            reasoning, content, calls = "", st.text[self.replies[i].sent:], []
+        else:
+            reasoning, content, calls = self.replies[i].feed(st.text, final=finish is not None)
+        lps, tops = self._new_logprobs(i)
+        d: dict[str, Any] = {}
+        if reasoning:
+            d["reasoning_content"] = reasoning
+        if content or (self.tool_mode == "none" and self.reasoning is None):
+            d["content"] = content  # plain chat sends a chunk per step
+        out = [self._delta(i, d, self._logprobs(lps, tops) if lps else None)] if d else []
+        for call in calls:
+            k = self.calls_sent[i]
+            self.calls_sent[i] += 1
+            wire = wire_call(call)
+            out.append(self._delta(i, {"tool_calls": [{"index": k, "id": wire["id"], "type": "function",
+                                                       "function": {"name": call.name, "arguments": ""}}]}))
+            out.append(self._delta(i, {"tool_calls": [{"index": k, "function": {
+                "arguments": wire["function"]["arguments"]}}]}))
+        if finish is not None:
+            finish = "tool_calls" if self.calls_sent[i] and finish != "abort" else finish
+            if out and "content" in out[-1]["choices"][0]["delta"] and not calls:
+                out[-1]["choices"][0]["finish_reason"] = finish
+            else:
+                out.append(self._delta(i, {}, finish=finish))
+            out += self._close(i)
+        return out
 
-    def _delta(self, i: int, d: dict, finish: str | None = None) -> dict:
+    def _delta(self, i: int, d: dict, logprobs: dict | None = None, finish: str | None = None) -> dict:
         if not self.role_sent[i]:
             d = {"role": "assistant", **d}
             self.role_sent[i] = True
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": i, "delta": d, "logprobs": None, "finish_reason": finish}]}
-
-    def _chunk(self, i: int, delta: str, finish: str | None) -> dict:
-        d: dict[str, Any] = {"content": delta}
-        if not self.role_sent[i]:
-            d["role"] = "assistant"
-            self.role_sent[i] = True
-        lps, tops = self._new_logprobs(i)
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": i, "delta": d, "logprobs": self._logprobs(lps, tops) if lps else None,
-                             "finish_reason": finish}]}
+                "choices": [{"index": i, "delta": d, "logprobs": logprobs, "finish_reason": finish}]}

@@ -1,23 +1,20 @@
-"""Tool calls for /v1/chat/completions: the grammar that forces a valid call, the prompt that
-tells a model about its tools, and the parser that reads calls back out of generated text.
+"""Tool calls under a grammar, for /v1/chat/completions and /v1/responses: the schema that forces a valid call
+and the reading of what it generated.
 
-Calls are JSON: `{"name": ..., "arguments": {...}}` (a list of them for tool_choice
-"required": of one call unless `parallel_tool_calls` is true), constrained to the tools' parameter schemas
-when the caller requires a call.
-With "auto" the model writes freely and calls are parsed from `<tool_call>...</tool_call>`
-blocks (Hermes/Qwen style) or from output that is itself a call object or list.
+A forced call is JSON, `{"name": ..., "arguments": {...}}` (a list of them for tool_choice "required": of one
+call unless `parallel_tool_calls` is true), constrained to the tools' parameter schemas. With tools in auto mode
+and a json_schema response format, the output is either one call or the final object. Free output ("auto" alone)
+is read by the model family's parser (plait.runtime.parsers).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Any
 
 from plait.runtime.entrypoints.openai_protocol import Tool
-
-_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+from plait.runtime.parsers.tool_call import Call, call_of, json_values
 
 
 def _call_schema(tool: Tool, index: int, defs: dict) -> dict:
@@ -74,88 +71,41 @@ def tool_call_schema(tools: list[Tool], mode: str, name: str | None, parallel: b
     return json.dumps(schema)
 
 
-def tools_system_prompt(tools: list[Tool]) -> str:
-    """For chat templates that do not render tools themselves."""
-    specs = "\n".join(json.dumps({"name": t.function.name, "description": t.function.description or "",
-                                  "parameters": t.function.parameters or {}}) for t in tools)
-    return ("You can call these tools:\n" + specs + "\nTo call a tool, reply with "
-            '<tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call>.')
-
-
-def template_renders_tools(tokenizer) -> bool:
-    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
-
-
-def make_call(name: str, arguments: Any) -> dict:
+def wire_call(call: Call) -> dict:
+    """A call as the OpenAI API returns it (a fresh id)."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
 
 
-def parse_constrained(text: str) -> list[dict]:
+def parse_constrained(text: str) -> list[Call]:
     """Calls from output generated under tool_call_schema: valid JSON, or a prefix of it where max_tokens cut it
-    short, of which the complete calls are returned (none of a cut single call)."""
+    short (or a stream is still growing), of which the complete calls are returned (none of a cut single call)."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
-        data = _complete_items(text)
+        stripped = text.lstrip()
+        data = json_values(stripped, 1)[0] if stripped.startswith("[") else []
     items = data if isinstance(data, list) else [data]
-    return [make_call(c["name"], c["arguments"]) for c in items]
+    return [Call(c["name"], c["arguments"]) for c in items
+            if isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict)]
 
 
-def _complete_items(text: str) -> list:
-    """The complete items at the start of a JSON array cut short (`[{...}, {...}, {"na`)."""
-    decoder, items = json.JSONDecoder(), []
-    pos = text.find("[") + 1
-    if pos == 0:
-        return items
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        try:
-            item, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return items
-        items.append(item)
+def either_schema(tools: list[Tool], final: str) -> str:
+    """With tools in auto mode and a json_schema response_format: one call of any tool, or the final object."""
+    defs: dict = {}
+    branches = [_call_schema(t, i, defs) for i, t in enumerate(tools)]
+    branches.append(_hoisted(json.loads(final), "r_", defs))
+    schema: dict = {"anyOf": branches}
+    if defs:
+        schema["$defs"] = defs
+    return json.dumps(schema)
 
 
-def parse_free(text: str, tools: list[Tool]) -> tuple[str | None, list[dict]]:
-    """(remaining content, calls) from unconstrained output; calls only to known tools."""
-    names = {t.function.name for t in tools}
-
-    def calls_of(data: Any) -> list[dict] | None:
-        items = data if isinstance(data, list) else [data]
-        out = []
-        for c in items:
-            if not isinstance(c, dict) or c.get("name") not in names:
-                return None
-            args = c.get("arguments", c.get("parameters", {}))
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except json.JSONDecodeError:
-                    return None
-            out.append(make_call(c["name"], args))
-        return out or None
-
-    tagged = _TAGGED.findall(text)
-    if tagged:
-        calls = []
-        for block in tagged:
-            try:
-                found = calls_of(json.loads(block))
-            except json.JSONDecodeError:
-                found = None
-            if found:
-                calls.extend(found)
-        if calls:
-            rest = _TAGGED.sub("", text).strip()
-            return rest or None, calls
-    stripped = text.strip()
-    if stripped[:1] in "[{":
-        try:
-            found = calls_of(json.loads(stripped))
-        except json.JSONDecodeError:
-            found = None
-        if found:
-            return None, found
-    return text, []
+def either_parse(text: str, tools: list[Tool]) -> list[Call]:
+    """The call, if output made under either_schema is one (else it is the final object: content)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return []
+    call = call_of(data, {t.function.name for t in tools})
+    return [call] if call is not None and set(data) == {"name", "arguments"} else []

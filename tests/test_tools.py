@@ -1,0 +1,198 @@
+"""Tool calls and reasoning in each model family's own format (runtime/parsers): every parser on whole replies and
+on replies fed a character at a time as a stream grows; then the real server on Qwen2.5-Coder-0.5B, whose chat
+template writes Hermes-style `<tool_call>` blocks, and on the default model (no tools in its template)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from plait.runtime.entrypoints.openai_protocol import Tool
+from plait.runtime.entrypoints.tool_calls import either_schema
+from plait.runtime.model_loader.packaged import fetch
+from plait.runtime.parsers import (REASONING_PARSERS, Call, ReasoningStream, ToolCallStream, reasoning_parser,
+                                   tool_parser)
+from server_util import Server
+
+NAMES = {"get_weather", "add"}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def _streamed(parser_name: str, text: str) -> tuple[str, list[Call], list[str]]:
+    """Content, calls and the content pieces sent, feeding `text` one character at a time."""
+    stream = ToolCallStream(tool_parser(parser_name, None), NAMES)
+    pieces, calls = [], []
+    for k in range(1, len(text) + 1):
+        content, new = stream.feed(text[:k], final=k == len(text))
+        if content:
+            pieces.append(content)
+        calls += new
+    return "".join(pieces), calls, pieces
+
+
+CASES = [  # parser, reply, content, calls
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     "Let me check.", [Call("get_weather", {"city": "Paris"})]),
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "add", '
+               '"arguments": "{\\"a\\": 2}"}</tool_call>', "", [Call("add", {"a": 1}), Call("add", {"a": 2})]),
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1}}', "", [Call("add", {"a": 1})]),  # stopped at </
+    ("hermes", 'Use <tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
+     'Use <tool_call>{"name": "unknown", "arguments": {}}</tool_call>', []),  # an undeclared tool is content
+    ("hermes", "Paris is sunny. <tool_call is how I call tools.", "Paris is sunny. <tool_call is how I call tools.",
+     []),
+    ("generic", '[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 2}}]', "",
+     [Call("add", {"a": 1}), Call("add", {"a": 2})]),
+    ("generic", '{"answer": 3}', '{"answer": 3}', []),
+    ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; {"name": "get_weather", "parameters": '
+               '{"city": "Oslo"}}', "", [Call("add", {"a": 1}), Call("get_weather", {"city": "Oslo"})]),
+    ("llama3", '{"name": "add", "parameters": {"a": 1}}', "", [Call("add", {"a": 1})]),
+    ("llama3", "The sum is 3.", "The sum is 3.", []),
+    ("mistral", 'Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]', "Sure.", [Call("add", {"a": 1})]),
+    ("mistral", '[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}', "",
+     [Call("add", {"a": 1}), Call("get_weather", {"city": "Rome"})]),
+]
+
+
+@pytest.mark.parametrize("name,text,content,calls", CASES)
+def test_each_format_whole_and_streamed(name, text, content, calls):
+    got_content, got_calls = tool_parser(name, None).parse(text, NAMES, final=True)
+    assert (got_content, got_calls) == (content, calls)
+    streamed, streamed_calls, _ = _streamed(name, text)
+    assert streamed_calls == calls
+    assert streamed.strip() == content
+
+
+def test_text_streams_beside_tools_and_only_a_possible_marker_is_held():
+    text = "The weather is nice today in Paris.<tool_call>" + '{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    stream = ToolCallStream(tool_parser("hermes", None), NAMES)
+    sent = []
+    for k in range(1, len(text) + 1):
+        content, calls = stream.feed(text[:k], final=k == len(text))
+        sent.append((k, content, calls))
+    first_text = next(k for k, c, _ in sent if c)
+    assert first_text == 1  # the first character goes out at once
+    # while "<tool_c" could still begin a marker it is held; nothing of the call is ever content
+    assert "".join(c for _, c, _ in sent) == "The weather is nice today in Paris."
+    call_at = next(k for k, _, calls in sent if calls)
+    assert call_at == len(text) - len("</tool_call>") + len("</tool_call>")  # when its block closes
+
+
+def test_auto_picks_the_format_the_template_writes():
+    assert type(tool_parser("auto", "{% for t in tools %}<tool_call>{% endfor %}")).__name__ == "HermesParser"
+    assert type(tool_parser("auto", "<|python_tag|>")).__name__ == "Llama3Parser"
+    assert type(tool_parser("auto", "[TOOL_CALLS]")).__name__ == "MistralParser"
+    assert type(tool_parser("auto", "{{ messages }}")).__name__ == "HermesParser"  # generic: the same reading
+    assert reasoning_parser("auto", "{{ '</think>' }}") is REASONING_PARSERS["qwen3"]
+    assert reasoning_parser("auto", "{{ messages }}") is None and reasoning_parser("none", "</think>") is None
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        tool_parser("nope", None)
+
+
+@pytest.mark.parametrize("name,text,inside,reasoning,content", [
+    ("qwen3", "<think>\nStep one.\n</think>\n\nThe answer is 4.", False, "Step one.", "The answer is 4."),
+    ("qwen3", "The answer is 4.", False, None, "The answer is 4."),
+    ("qwen3", "Still thinking, then</think>Four.", True, "Still thinking, then", "Four."),
+    ("deepseek-r1", "Hmm.</think>Four.", False, "Hmm.", "Four."),
+    ("qwen3", "<think>cut short by max_tokens", False, "cut short by max_tokens", ""),
+])
+def test_reasoning_whole_and_streamed(name, text, inside, reasoning, content):
+    parser = REASONING_PARSERS[name]
+    assert parser.split(text, inside) == (reasoning, content)
+    stream, pieces, last = ReasoningStream(parser, inside), [], None
+    for k in range(1, len(text) + 1):
+        delta, last = stream.feed(text[:k], final=k == len(text))
+        pieces.append(delta)
+        assert "<" not in delta and ">" not in delta  # no tag text ever streams as reasoning
+    assert "".join(pieces).strip() == (reasoning or "") and last == content
+
+
+def test_either_schema_takes_a_call_or_the_final_object():
+    final = {"type": "object", "properties": {"answer": {"$ref": "#/$defs/A"}}, "required": ["answer"],
+             "$defs": {"A": {"type": "integer"}}}
+    schema = json.loads(either_schema([Tool.model_validate(WEATHER)], json.dumps(final)))
+    jsonschema.validate({"answer": 3}, schema)
+    jsonschema.validate({"name": "get_weather", "arguments": {"city": "Oslo"}}, schema)
+    for bad in ({"answer": "x"}, {"name": "get_weather", "arguments": {}}, {"name": "other", "arguments": {}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+# ---- the real server ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen():
+    srv = Server("--model-path", fetch("qwen2.5-coder-0.5b"), "--max-total-tokens", "8192",
+                 "--enable-deterministic-inference")
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+    srv.stop()
+
+
+ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+
+
+def test_qwen_calls_tools_in_its_own_format(qwen):
+    out = qwen.chat.completions.create(model="default", messages=ASK, tools=[WEATHER], temperature=0, max_tokens=96)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and "Paris" in json.loads(call.function.arguments)["city"]
+    assert not choice.message.content or "<tool_call>" not in choice.message.content
+    # the result goes back and the model answers from it, in text
+    follow = qwen.chat.completions.create(model="default", temperature=0, max_tokens=64, tools=[WEATHER], messages=[
+        *ASK, {"role": "assistant", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 31, "sky": "clear"}'}])
+    answer = follow.choices[0]
+    assert answer.finish_reason == "stop" and "31" in answer.message.content
+
+
+def test_qwen_streams_the_same_call_and_text_as_it_comes(qwen):
+    whole = qwen.chat.completions.create(model="default", messages=ASK, tools=[WEATHER], temperature=0,
+                                         max_tokens=96).choices[0].message
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in qwen.chat.completions.create(model="default", messages=ASK, tools=[WEATHER], temperature=0,
+                                              max_tokens=96, stream=True):
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        assert not choice.delta.content or "<tool_call>" not in choice.delta.content
+        for d in choice.delta.tool_calls or []:
+            c = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            c["name"] += d.function.name or ""
+            c["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls]
+    # a question that needs no tool streams its text chunk by chunk, tools or not
+    question = [{"role": "user", "content": "Write a short poem about the sea."}]
+    chunks = [c.choices[0].delta.content for c in qwen.chat.completions.create(
+        model="default", messages=question, tools=[WEATHER], temperature=0, max_tokens=40, stream=True)
+        if c.choices and c.choices[0].delta.content]
+    plain = qwen.chat.completions.create(model="default", messages=question, temperature=0, max_tokens=40,
+                                         tools=[WEATHER]).choices[0].message.content
+    assert len(chunks) >= 10 and "".join(chunks) == plain
+
+
+def test_tools_beside_a_response_format(qwen):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "summary": {"type": "string"}},
+              "required": ["city", "summary"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "report", "schema": schema}}
+    asks = {"call": ASK, "answer": [*ASK, {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 31, "sky": "clear"}'},
+        {"role": "user", "content": "Thanks. Now give me the report on Paris from that result."}]}
+    seen = set()
+    for messages in asks.values():
+        out = qwen.chat.completions.create(model="default", messages=messages, tools=[WEATHER], temperature=0,
+                                           max_tokens=96, response_format=fmt).choices[0]
+        if out.message.tool_calls:  # a call under the grammar: a valid call, never content
+            assert out.finish_reason == "tool_calls" and out.message.content is None
+            assert json.loads(out.message.tool_calls[0].function.arguments)["city"]
+            seen.add("call")
+        else:
+            jsonschema.validate(json.loads(out.message.content), schema)
+            seen.add("answer")
+    assert seen == {"call", "answer"}  # the grammar allowed each where the model wanted it
