@@ -48,6 +48,9 @@ CASES = [  # parser, reply, content, calls
     ("generic", '[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 2}}]', "",
      [Call("add", {"a": 1}), Call("add", {"a": 2})]),
     ("generic", '{"answer": 3}', '{"answer": 3}', []),
+    ("hermes", '```json\n{\n  "name": "add",\n  "arguments": {"a": 1}\n}\n```', "", [Call("add", {"a": 1})]),
+    ("hermes", '```python\nprint({"name": "add"})\n```', '```python\nprint({"name": "add"})\n```', []),
+    ("hermes", '```json\n{"a": 1}\n```', '```json\n{"a": 1}\n```', []),
     ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; {"name": "get_weather", "parameters": '
                '{"city": "Oslo"}}', "", [Call("add", {"a": 1}), Call("get_weather", {"city": "Oslo"})]),
     ("llama3", '{"name": "add", "parameters": {"a": 1}}', "", [Call("add", {"a": 1})]),
@@ -80,6 +83,14 @@ def test_text_streams_beside_tools_and_only_a_possible_marker_is_held():
     assert "".join(c for _, c, _ in sent) == "The weather is nice today in Paris."
     call_at = next(k for k, _, calls in sent if calls)
     assert call_at == len(text) - len("</tool_call>") + len("</tool_call>")  # when its block closes
+
+
+def test_a_fenced_reply_streams_once_it_is_not_json():
+    code = '```python\nprint("hello")\n```'
+    _, _, pieces = _streamed("hermes", code)
+    assert len(pieces) > 10  # held only until "```python\np" shows it is code, then a piece per character
+    _, calls, pieces = _streamed("hermes", '```json\n{"name": "add", "arguments": {"a": 1}}\n```')
+    assert calls == [Call("add", {"a": 1})] and not pieces
 
 
 def test_auto_picks_the_format_the_template_writes():

@@ -254,8 +254,10 @@ def create_app(state: ServerState) -> FastAPI:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     from plait.runtime.entrypoints.openai_api import add_openai_routes
+    from plait.runtime.entrypoints.responses_api import add_responses_routes
 
     add_openai_routes(app, state)
+    add_responses_routes(app, state)
 
     def openapi() -> dict:  # the OpenAI routes read their bodies themselves: add the models they document
         if app.openapi_schema is None:

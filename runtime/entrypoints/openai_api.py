@@ -1,4 +1,5 @@
-"""The OpenAI API on top of the runtime client: /v1/models, /v1/completions, /v1/chat/completions.
+"""The OpenAI API on top of the runtime client: /v1/models, /v1/completions, /v1/chat/completions (the Responses
+API, responses_api.py, runs through the chat path here).
 
 Shapes follow what the official `openai` Python client parses. `n` choices run as n requests of
 the same prompt (the radix cache computes the prompt once); usage reports cached prompt tokens.
@@ -20,11 +21,11 @@ from plait.runtime.entrypoints.http_server import (HTTPError, ServerState, const
                                                    started, validation_message)
 from plait.runtime.managers.io_struct import TokenizedGenerateReq
 from plait.runtime.managers.limits import validate_request
-from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from plait.runtime.sampling import SamplingParams
 from plait.runtime.managers.runtime_client import ReqState, RuntimeClient
-from plait.runtime.entrypoints.tool_calls import (either_parse, either_schema, parse_constrained, tool_call_schema,
-                                                  wire_call)
+from plait.runtime.entrypoints.tool_calls import (either_grammar, either_parse, either_schema, parse_constrained,
+                                                  tool_call_schema, wire_call)
 from plait.runtime.parsers import Call, ReasoningStream, ToolCallParser, ToolCallStream
 
 
@@ -35,9 +36,9 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
                                             "owned_by": "plait", "root": state.args.model_path,
                                             "max_model_len": state.client.limits.context_length}]}
 
-    @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=body_doc(CompletionRequest))
     async def completions(request: Request):
-        req = await _parse(request, CompletionRequest, state)
+        req = await parse_body(request, CompletionRequest, state)
         client = state.client
         if req.echo and req.logprobs is not None:
             raise HTTPError(400, "echo with logprobs is not supported")
@@ -47,17 +48,17 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
         view = _Completion(state, req, states, echo)
         return await _respond(request, client, states, view)
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        req = await _parse(request, ChatCompletionRequest, state)
+        req = await parse_body(request, ChatCompletionRequest, state)
         client = state.client
-        msgs, inside = await asyncio.to_thread(_chat_requests, state, req)  # templates and tokenizing off the loop
+        msgs, inside = await asyncio.to_thread(chat_requests, state, req)  # templates and tokenizing off the loop
         states = client.submit(msgs)
-        view = _Chat(state, req, states, inside)
+        view = ChatView(state, req, states, inside)
         return await _respond(request, client, states, view)
 
 
-async def _parse(request: Request, model: type[BaseModel], state: ServerState):
+async def parse_body(request: Request, model: type[BaseModel], state: ServerState):
     """The body as `model`, strictly (no bool for an int, no string for a number); a 400 names each
     field, a 404 a model that is not served."""
     body = await read_json(request)
@@ -70,7 +71,7 @@ async def _parse(request: Request, model: type[BaseModel], state: ServerState):
     return req
 
 
-def _body_doc(model: type[BaseModel]) -> dict:
+def body_doc(model: type[BaseModel]) -> dict:
     """The request body's schema for /openapi.json (the route reads the body itself, strictly)."""
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
@@ -79,7 +80,7 @@ def _body_doc(model: type[BaseModel]) -> dict:
 def openapi_components() -> dict:
     """The models referenced by the request bodies' schemas, for /openapi.json's components."""
     defs = {}
-    for model in (CompletionRequest, ChatCompletionRequest):
+    for model in (CompletionRequest, ChatCompletionRequest, ResponsesRequest):
         defs.update(model.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {}))
     return defs
 
@@ -94,14 +95,14 @@ def _completion_requests(client: RuntimeClient, req: CompletionRequest) -> tuple
     return msgs, prompts
 
 
-def _chat_requests(state: ServerState, req: ChatCompletionRequest) -> tuple[list[TokenizedGenerateReq], bool]:
+def chat_requests(state: ServerState, req: ChatCompletionRequest) -> tuple[list[TokenizedGenerateReq], bool]:
     """The requests of a chat body, and whether the prompt opened a reasoning block (the reply starts in it)."""
     client = state.client
     text = _chat_prompt(client, req, state.tool_parser)
     ids = client.encode(text, "messages", add_special_tokens=False)
     max_new = _max_new_tokens(client, len(ids), req.max_completion_tokens or req.max_tokens)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    forced = _tool_grammar(req)
+    forced = _tool_grammar(req, state.tool_parser, lambda text: _single_token(client, text))
     params = [{**req.sampling_params(max_new, i), **forced} for i in range(req.n)]
     reasoning = state.reasoning_parser
     inside = reasoning is not None and text.rstrip().endswith(reasoning.open)
@@ -225,13 +226,21 @@ def _message(m, parser: ToolCallParser | None) -> dict:
     return out
 
 
-def _tool_grammar(req: ChatCompletionRequest) -> dict:
+def _tool_grammar(req: ChatCompletionRequest, parser: ToolCallParser, token_id) -> dict:
     """The json_schema constraint for tool_choice 'required' or a named function, and for tools in auto mode
-    beside a json_schema response format (a call or the final object)."""
+    beside a json_schema response format a grammar of a call or the final object: in the family's own call
+    format where a grammar can write it, else JSON of either."""
     mode = req.tool_mode()
     given = req.grammar()
     if mode == "auto" and given.get("json_schema") is not None:
-        return {"json_schema": either_schema(req.tools, given["json_schema"])}
+        if parser.call_tags is None:
+            return {"json_schema": either_schema(req.tools, given["json_schema"])}
+        try:
+            lark = either_grammar(req.tools, given["json_schema"], parser.call_tags, token_id,
+                                  given.get("json_whitespace") == "flexible")
+        except ValueError as e:  # the schema policy's refusal
+            raise HTTPError(400, str(e)) from None
+        return {"json_schema": None, "json_whitespace": None, "json_key_order": None, "ebnf": lark}
     if mode not in ("required", "named"):
         return {}
     if given:
@@ -239,6 +248,11 @@ def _tool_grammar(req: ChatCompletionRequest) -> dict:
                              "response_format, regex or ebnf")
     name = req.tool_choice.function.name if mode == "named" else None
     return {"json_schema": tool_call_schema(req.tools, mode, name, req.parallel_tool_calls is True)}
+
+
+def _single_token(client: RuntimeClient, text: str) -> int | None:
+    ids = client.tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
 
 
 def _max_new_tokens(client: RuntimeClient, prompt_len: int, requested: int | None) -> int:
@@ -263,7 +277,7 @@ def _request(client: RuntimeClient, ids: list[int], params: dict, top_logprobs: 
     return msg
 
 
-def _finish(st: ReqState) -> str | None:
+def finish_reason(st: ReqState) -> str | None:
     if st.finish is None:
         return None
     return st.finish.type  # "stop" | "length" | "abort"
@@ -309,7 +323,7 @@ class _View:
         st = self.states[i]
         delta = st.text[self.sent_text[i]:]
         self.sent_text[i] = len(st.text)
-        out = [self._chunk(i, delta, _finish(st))]
+        out = [self._chunk(i, delta, finish_reason(st))]
         if st.finish is not None:
             out += self._close(i)
         return out
@@ -349,7 +363,7 @@ class _Completion(_View):
             prefix = self.echo[i // self.req.n]
             choices.append({"index": i, "text": prefix + st.text,
                             "logprobs": self._logprobs(st.out_lp, st.out_top, len(prefix)),
-                            "finish_reason": _finish(st)})
+                            "finish_reason": finish_reason(st)})
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": _usage(self.states, self.req.n)}
 
@@ -363,11 +377,11 @@ class _Completion(_View):
                              "finish_reason": finish}]}
 
 
-class _Reply:
+class ChatReply:
     """One chat choice's reply as it grows: reasoning split off, then calls split from content, by the request's
     mode. `feed` returns what to send now; a whole reply is one feed with final=True."""
 
-    def __init__(self, view: "_Chat"):
+    def __init__(self, view: "ChatView"):
         self.view = view
         self.reasoning = ReasoningStream(view.reasoning, view.inside) if view.reasoning else None
         self.tools = ToolCallStream(view.tool_parser, view.names) if view.tool_mode == "auto" else None
@@ -399,7 +413,7 @@ class _Reply:
         return reasoning, content, calls
 
 
-class _Chat(_View):
+class ChatView(_View):
     prefix = "chatcmpl"
     chunk_object = "chat.completion.chunk"
 
@@ -407,19 +421,20 @@ class _Chat(_View):
         super().__init__(state, req, states)
         self.role_sent = [False] * len(states)
         self.tool_mode = req.tool_mode()
-        if self.tool_mode == "auto" and req.grammar().get("json_schema") is not None:
-            self.tool_mode = "either"
+        if self.tool_mode == "auto" and req.grammar().get("json_schema") is not None and \
+                state.tool_parser.call_tags is None:
+            self.tool_mode = "either"  # JSON of a call or the final object (a tagged call is read as in auto)
         self.tool_parser, self.reasoning, self.inside = state.tool_parser, state.reasoning_parser, inside
         self.names = {t.function.name for t in req.tools or []}
-        self.replies = [_Reply(self) for _ in states]
+        self.replies = [ChatReply(self) for _ in states]
         self.calls_sent = [0] * len(states)
 
     def _message(self, st: ReqState) -> tuple[dict, str | None]:
         """The assistant message and finish reason, with reasoning and tool calls parsed out."""
-        finish = _finish(st)
+        finish = finish_reason(st)
         if finish == "abort":
             return {"role": "assistant", "content": st.text}, finish
-        reasoning, content, calls = _Reply(self).feed(st.text, final=True)
+        reasoning, content, calls = ChatReply(self).feed(st.text, final=True)
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else content)}
         if self.reasoning is not None:
             message["reasoning_content"] = reasoning or None
@@ -454,7 +469,7 @@ class _Chat(_View):
         call once it is complete, then the finish."""
         i = snap["index"]
         st = self.states[i]
-        finish = _finish(st)
+        finish = finish_reason(st)
         if finish == "abort":
             reasoning, content, calls = "", st.text[self.replies[i].sent:], []
         else:

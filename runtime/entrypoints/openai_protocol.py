@@ -228,3 +228,109 @@ class ChatCompletionRequest(_Common):
         if isinstance(self.tool_choice, NamedToolChoice):
             return "named"
         return self.tool_choice or "auto"
+
+
+# ---- the Responses API (/v1/responses) ---------------------------------------------------------------------
+class ResponseTool(BaseModel):
+    """A tool of the Responses API: flat (no `function` wrapper). Only function tools run here."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _function_only(self):
+        if self.type != "function":
+            raise ValueError(f"tools of type {self.type!r} are not supported (function tools only)")
+        if self.name is None:
+            raise ValueError("a function tool needs a name")
+        return self
+
+
+class ResponseFunctionChoice(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class ResponseTextFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseText(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: ResponseTextFormat | None = None
+
+
+class InputPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type not in ("input_text", "output_text", "text", "refusal"):
+            raise ValueError(f"input content of type {self.type!r} is not supported (text only)")
+        return self
+
+
+class InputItem(BaseModel):
+    """One item of `input`: a message (with or without `type`), a function call the model made earlier or the
+    output of one. Reasoning items are taken and not shown to the model again."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
+    role: Literal["user", "system", "developer", "assistant"] | None = None
+    content: str | list[InputPart] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[InputPart] | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self):
+        need = {"message": ("role",), "function_call": ("call_id", "name", "arguments"),
+                "function_call_output": ("call_id", "output")}.get(self.type, ())
+        missing = [f for f in need if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"an input item of type {self.type!r} needs {', '.join(missing)}")
+        return self
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[ResponseTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponseFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponseText | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, le=2**62)  # an extra, as in chat
+    stream: bool = False
+    store: bool = True
+    background: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if isinstance(self.input, list) and not self.input:
+            raise ValueError("input must not be empty")
+        if self.background and self.stream:
+            raise ValueError("background responses cannot be streamed here: poll GET /v1/responses/{id}")
+        if self.background and not self.store:
+            raise ValueError("background responses must be stored (store: true)")
+        return self

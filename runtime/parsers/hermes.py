@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from plait.runtime.parsers.tool_call import Call, ToolCallParser, bare_calls, calls_of, register
+from plait.runtime.parsers.tool_call import Call, ToolCallParser, bare_calls, calls_of, json_opening, register
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _OPEN = "<tool_call>"
@@ -19,10 +19,11 @@ class HermesParser(ToolCallParser):
     starts = (_OPEN,)
     bare_json = True
     template_markers = (_OPEN,)
+    call_tags = (_OPEN + "\n", "\n</tool_call>")
 
     def parse(self, text: str, names: set[str], final: bool) -> tuple[str, list[Call]]:
         content, calls = tagged_calls(text, names, final)
-        if calls or text.lstrip()[:1] not in ("{", "["):
+        if calls or not json_opening(text):
             return content, calls
         return bare_calls(text, names, final)
 

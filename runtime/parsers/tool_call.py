@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -23,8 +24,9 @@ class Call:
 class ToolCallParser:
     name: ClassVar[str]
     starts: ClassVar[tuple[str, ...]] = ()  # text that opens a call anywhere in a reply
-    bare_json: ClassVar[bool] = False  # a reply that opens with `{` or `[` may be calls
+    bare_json: ClassVar[bool] = False  # a reply that opens with `{` or `[` (fenced or not) may be calls
     template_markers: ClassVar[tuple[str, ...]] = ()  # a chat template holding one of these writes this format
+    call_tags: ClassVar[tuple[str, str] | None] = None  # the text around one call's JSON, where a grammar can write it
 
     def parse(self, text: str, names: set[str], final: bool) -> tuple[str, list[Call]]:
         """(the content left, the calls) of `text`; before the reply is `final`, only calls already complete."""
@@ -109,17 +111,38 @@ def json_values(text: str, pos: int = 0, separators: str = " \t\r\n,;") -> tuple
         pos = end
 
 
+# a reply may wrap its JSON in a Markdown code fence (small models often do)
+_FENCE = re.compile(r"```[A-Za-z]*[ \t]*\n?")
+_OPENING = re.compile(r"(```[A-Za-z]*\s*)?[\[{]")
+_MAYBE_OPENING = re.compile(r"`{1,3}|```[A-Za-z]*\s*")
+
+
+def json_opening(text: str) -> bool | None:
+    """Whether a reply opens with JSON (in a code fence or not); None while its start could still be a fence."""
+    stripped = text.lstrip()
+    if _OPENING.match(stripped):
+        return True
+    return None if not stripped or _MAYBE_OPENING.fullmatch(stripped) else False
+
+
 def bare_calls(text: str, names: set[str], final: bool) -> tuple[str, list[Call]]:
-    """A reply of JSON calls one after another (objects or lists, `;` or `,` between): its complete calls, and
-    once final all of them only when nothing but calls is written (else it is content)."""
-    values, end = json_values(text)
+    """A reply of JSON calls one after another (objects or lists, `;` or `,` between), fenced or not: its
+    complete calls, and once final all of them only when nothing but calls is written (else it is content)."""
+    body = text.strip()
+    fence = _FENCE.match(body)
+    if fence:
+        body = body[fence.end():]
+        body = body[:-3] if body.rstrip().endswith("```") else body
+        body = body.rstrip() if final else body
+    values, end = json_values(body)
+    text_left = body[end:]
     calls: list[Call] = []
     for v in values:
         found = calls_of(v, names)
         if found is None:
             return (text, []) if final else ("", calls)
         calls.extend(found)
-    if final and text[end:].strip():
+    if final and text_left.strip():
         return text, []
     return "", calls
 
@@ -163,16 +186,14 @@ class ToolCallStream:
 
     def _call_start(self, text: str, final: bool) -> int | None:
         found = [i for i in (text.find(m) for m in self.parser.starts) if i >= 0]
-        if self.parser.bare_json and self.sent == 0:
-            stripped = text.lstrip()
-            if stripped[:1] in ("{", "["):
-                found.append(len(text) - len(stripped))
+        if self.parser.bare_json and self.sent == 0 and json_opening(text):
+            found.append(len(text) - len(text.lstrip()))
         return min(found) if found else None
 
     def _partial_marker(self, text: str) -> int:
         """Characters at the end of `text` that could begin a marker (or, where a reply may be bare JSON and
         nothing is sent yet, the leading whitespace before its first character)."""
-        if self.parser.bare_json and self.sent == 0 and not text.strip():
+        if self.parser.bare_json and self.sent == 0 and json_opening(text) is None:
             return len(text)
         longest = 0
         for m in self.parser.starts:
