@@ -7,7 +7,7 @@ SGLANG_STAMP := $(VENV)/.sglang-frontend
 # CPU torch build used where no GPU (and no torch of the user's) is present.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup models run demo test test-slow test-reliability bench bench-serving bench-structured bench-programs bench-speculative bench-moe bench-parallel bench-peers train-eagle clean
+.PHONY: setup models run demo test test-slow test-frameworks test-reliability bench bench-serving bench-structured bench-programs bench-speculative bench-moe bench-parallel bench-peers train-eagle clean
 
 setup: $(STAMP)
 
@@ -49,9 +49,23 @@ test: setup $(SGLANG_STAMP)
 	$(PY) -m plait models fetch $(TEST_MODELS)
 	PLAIT_TEST_THREADS=1 $(PY) -m pytest -q -x --durations=15 tests
 
-test-slow: setup models
+test-slow: setup models test-frameworks
 	@# exit code 5 means no test is marked slow yet
 	PLAIT_TEST_THREADS=1 $(PY) -m pytest -q -m slow tests || [ $$? -eq 5 ]
+
+# agent frameworks against the real server, in a venv of their own (openai-agents pins an older openai client)
+FW_VENV := .venv-frameworks
+FW_STAMP := $(FW_VENV)/.installed
+$(FW_STAMP): Makefile
+	$(PYTHON) -m venv $(FW_VENV)
+	$(FW_VENV)/bin/python -m pip install -q pytest httpx 'openai-agents==0.24.*' 'langchain-openai>=1.7' \
+		'langgraph>=1.2' 'pydantic-ai-slim[openai]>=2.30' 'instructor>=1.17'
+	@touch $(FW_STAMP)
+
+test-frameworks: setup $(FW_STAMP)
+	$(PY) -m plait models fetch qwen2.5-coder-0.5b
+	PLAIT_SERVER_PYTHON=$(abspath $(PY)) PLAIT_TEST_THREADS=1 PYTHONPATH=tests \
+		$(FW_VENV)/bin/python -m pytest -q -p no:cacheprovider --confcutdir=tests/frameworks tests/frameworks
 
 # load with disconnects and aborts, a tiny KV pool, killed children, SIGTERM, a 20-minute memory soak
 # (about 45 minutes in all on 2 cores; SOAK_MINUTES=2 for a short one)

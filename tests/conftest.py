@@ -10,6 +10,8 @@ import torch
 
 THREADS = int(os.environ.get("PLAIT_TEST_THREADS", "1"))
 torch.set_num_threads(THREADS)
+# the agent frameworks' tests run in a venv of their own (`make test-frameworks`, part of `make test-slow`)
+collect_ignore = ["frameworks"]
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,9 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "plait.launch_server", "--port", str(self.port), "--num-threads", str(THREADS),
+        # the framework tests run in a venv of their own and start the server with plait's (tests/frameworks)
+        python = os.environ.get("PLAIT_SERVER_PYTHON", sys.executable)
+        cmd = [python, "-m", "plait.launch_server", "--port", str(self.port), "--num-threads", str(THREADS),
                "--log-level", "warning", *flags]
         if api_key:
             cmd += ["--api-key", api_key]
