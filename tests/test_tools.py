@@ -207,3 +207,38 @@ def test_tools_beside_a_response_format(qwen):
             jsonschema.validate(json.loads(out.message.content), schema)
             seen.add("answer")
     assert seen == {"call", "answer"}  # the grammar allowed each where the model wanted it
+
+
+@pytest.fixture(scope="module")
+def thinker():
+    """The default model with deepseek-r1's reading: a reply is reasoning up to </think> (a regex makes the model
+    write one, so the split is known)."""
+    srv = Server("--reasoning-parser", "deepseek-r1", "--enable-deterministic-inference")
+    yield srv
+    srv.stop()
+
+
+THINK = {"regex": "[a-z]{2,6}( [a-z]{2,6}){2,4}</think>The answer is 4\\."}
+
+
+def test_reasoning_comes_apart_whole_and_streamed(thinker):
+    oai = openai.OpenAI(base_url=thinker.url + "/v1", api_key="none", max_retries=0)
+    ask = [{"role": "user", "content": "What is 2 + 2?"}]
+    whole = oai.chat.completions.create(model="default", messages=ask, temperature=0, max_tokens=40,
+                                        extra_body=THINK).choices[0].message
+    reasoning = whole.model_extra["reasoning_content"]
+    assert whole.content == "The answer is 4." and reasoning and "think" not in reasoning
+    pieces = {"reasoning_content": [], "content": []}
+    for chunk in oai.chat.completions.create(model="default", messages=ask, temperature=0, max_tokens=40,
+                                             stream=True, extra_body=THINK):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        for key in pieces:
+            if delta is not None and (delta.model_extra or {}).get(key) or getattr(delta, key, None):
+                pieces[key].append((delta.model_extra or {}).get(key) or getattr(delta, key))
+    assert "".join(pieces["reasoning_content"]).strip() == reasoning and len(pieces["reasoning_content"]) > 1
+    assert "".join(pieces["content"]) == "The answer is 4."
+    # the Responses API returns it as a reasoning item before the message
+    out = oai.responses.create(model="default", input="What is 2 + 2?", temperature=0, max_output_tokens=40,
+                               extra_body=THINK)
+    assert [o.type for o in out.output] == ["reasoning", "message"] and out.output_text == "The answer is 4."
+    assert out.output[0].content[0].text == reasoning

@@ -318,7 +318,15 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, le=2**62)  # an extra, as in chat
+    # extras, as in chat (SGLang / vLLM)
+    seed: int | None = Field(None, ge=0, le=2**62)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    regex: str | None = None
+    ebnf: str | None = None
     stream: bool = False
     store: bool = True
     background: bool = False

@@ -28,6 +28,7 @@ from plait.runtime.entrypoints.tool_calls import wire_call
 from plait.runtime.managers.runtime_client import ReqState
 
 _STORE_SIZE = 1024  # stored responses kept (the oldest dropped first)
+_EXTRAS = {"top_k", "min_p", "repetition_penalty", "stop", "ignore_eos", "regex", "ebnf"}  # passed on to chat
 
 
 @dataclass
@@ -148,6 +149,7 @@ def _chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletion
     body: dict[str, Any] = {"messages": messages, "stream": req.stream, "max_tokens": req.max_output_tokens,
                             "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
                             "parallel_tool_calls": req.parallel_tool_calls}
+    body.update(req.model_dump(include=_EXTRAS, exclude_none=True))
     if req.instructions:
         body["messages"] = [{"role": "system", "content": req.instructions}, *messages]
     if req.tools:
