@@ -242,3 +242,39 @@ def test_reasoning_comes_apart_whole_and_streamed(thinker):
                                extra_body=THINK)
     assert [o.type for o in out.output] == ["reasoning", "message"] and out.output_text == "The answer is 4."
     assert out.output[0].content[0].text == reasoning
+
+
+def test_structured_output_applies_after_the_reasoning():
+    """The schema binds only after </think>: the reasoning is free text (braces and all), the answer valid JSON."""
+    from plait.runtime.constrained.llguidance_backend import LLGuidanceBackend
+    from plait.runtime.entrypoints.lark import after_reasoning, json_body
+    from plait.runtime.model_loader import load_tokenizer
+    from plait.runtime.server_args import default_model_path
+
+    tok = load_tokenizer(default_model_path())
+    backend = LLGuidanceBackend(tok, len(tok), [tok.eos_token_id])
+    schema = json.dumps({"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]})
+
+    def accepts(grammar: str, text: str) -> bool:
+        """`text` whole (then the end of the reply) under the grammar."""
+        matcher = backend.compile("ebnf", grammar).matcher()
+        ids = [*tok.encode(text, add_special_tokens=False), tok.eos_token_id]
+        return all(matcher.accept_token(t) for t in ids)
+
+    inside = after_reasoning(json_body(schema, False), "<think>", "</think>", True, lambda t: None)
+    assert accepts(inside, 'Two and two: {x} is 4.</think>\n{"answer": 4}')
+    assert not accepts(inside, 'Two and two.</think>\n{"answer": "4"}')
+    assert not accepts(inside, '{"answer": 4}')  # the block must close first
+    assert not accepts(inside, 'Done.</think>{"answer": 4} and more')
+    optional = after_reasoning(json_body(schema, False), "<think>", "</think>", False, lambda t: None)
+    assert accepts(optional, '{"answer": 4}') and accepts(optional, '<think>Hmm.</think>{"answer": 4}')
+
+
+def test_a_constrained_reply_reasons_first_through_the_server(thinker):
+    oai = openai.OpenAI(base_url=thinker.url + "/v1", api_key="none", max_retries=0)
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    out = oai.chat.completions.create(model="default", temperature=0, max_tokens=24, messages=[
+        {"role": "user", "content": "What is 2 + 2? Think first."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}).choices[0].message
+    # this model never closes its block itself, and the schema waits for it: all of it is reasoning, in words
+    assert out.model_extra["reasoning_content"][:1].isalpha() and out.content == ""

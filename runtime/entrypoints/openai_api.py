@@ -24,6 +24,7 @@ from plait.runtime.managers.limits import validate_request
 from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from plait.runtime.sampling import SamplingParams
 from plait.runtime.managers.runtime_client import ReqState, RuntimeClient
+from plait.runtime.entrypoints.lark import after_reasoning, json_body
 from plait.runtime.entrypoints.tool_calls import (either_grammar, either_parse, either_schema, parse_constrained,
                                                   tool_call_schema, wire_call)
 from plait.runtime.parsers import Call, ReasoningStream, ToolCallParser, ToolCallStream
@@ -102,10 +103,13 @@ def chat_requests(state: ServerState, req: ChatCompletionRequest) -> tuple[list[
     ids = client.encode(text, "messages", add_special_tokens=False)
     max_new = _max_new_tokens(client, len(ids), req.max_completion_tokens or req.max_tokens)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    forced = _tool_grammar(req, state.tool_parser, lambda text: _single_token(client, text))
-    params = [{**req.sampling_params(max_new, i), **forced} for i in range(req.n)]
     reasoning = state.reasoning_parser
     inside = reasoning is not None and text.rstrip().endswith(reasoning.open)
+    try:
+        forced = _constraint(req, state, inside)
+    except ValueError as e:  # the schema policy's refusal of an embedded schema
+        raise HTTPError(400, str(e)) from None
+    params = [{**req.sampling_params(max_new, i), **forced} for i in range(req.n)]
     return [_request(client, ids, params[i], top, req.stream) for i in range(req.n)], inside
 
 
@@ -226,21 +230,38 @@ def _message(m, parser: ToolCallParser | None) -> dict:
     return out
 
 
-def _tool_grammar(req: ChatCompletionRequest, parser: ToolCallParser, token_id) -> dict:
+_NO_JSON = {"json_schema": None, "json_whitespace": None, "json_key_order": None}
+
+
+def _constraint(req: ChatCompletionRequest, state: ServerState, inside: bool) -> dict:
+    """What the request's constraint becomes (sampling_params keys over its own): tool grammars, and with a
+    reasoning parser a JSON constraint that applies only after the reasoning block (a Lark grammar)."""
+    token_id = functools.partial(_single_token, state.client)
+    given = req.grammar()
+    flexible = given.get("json_whitespace") == "flexible"
+    forced = _tool_grammar(req, state.tool_parser, token_id, flexible)
+    body = forced.pop("body", None)
+    schema = forced.get("json_schema", given.get("json_schema"))
+    reasoning = state.reasoning_parser
+    if reasoning is not None and (body or schema):
+        rules = body or json_body(schema, flexible)
+        return {**_NO_JSON, "ebnf": after_reasoning(rules, reasoning.open, reasoning.close,
+                                                    inside or reasoning.starts_inside, token_id)}
+    if body:
+        return {**_NO_JSON, "ebnf": "start: body\n" + body}
+    return forced
+
+
+def _tool_grammar(req: ChatCompletionRequest, parser: ToolCallParser, token_id, flexible: bool) -> dict:
     """The json_schema constraint for tool_choice 'required' or a named function, and for tools in auto mode
     beside a json_schema response format a grammar of a call or the final object: in the family's own call
-    format where a grammar can write it, else JSON of either."""
+    format where a grammar can write it ("body": Lark rules), else JSON of either."""
     mode = req.tool_mode()
     given = req.grammar()
     if mode == "auto" and given.get("json_schema") is not None:
         if parser.call_tags is None:
             return {"json_schema": either_schema(req.tools, given["json_schema"])}
-        try:
-            lark = either_grammar(req.tools, given["json_schema"], parser.call_tags, token_id,
-                                  given.get("json_whitespace") == "flexible")
-        except ValueError as e:  # the schema policy's refusal
-            raise HTTPError(400, str(e)) from None
-        return {"json_schema": None, "json_whitespace": None, "json_key_order": None, "ebnf": lark}
+        return {"body": either_grammar(req.tools, given["json_schema"], parser.call_tags, token_id, flexible)}
     if mode not in ("required", "named"):
         return {}
     if given:

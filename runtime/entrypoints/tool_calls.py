@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Callable
+from typing import Any
 
-from plait.runtime.constrained.base import MAX_WHITESPACE
+from plait.runtime.entrypoints.lark import TokenId, embedded_json, literal
 from plait.runtime.entrypoints.openai_protocol import Tool
 from plait.runtime.parsers.tool_call import Call, call_of, json_values
 
@@ -102,39 +102,20 @@ def either_schema(tools: list[Tool], final: str) -> str:
     return json.dumps(schema)
 
 
-def either_grammar(tools: list[Tool], final: str, tags: tuple[str, str], token_id: Callable[[str], int | None],
-                   flexible: bool) -> str:
+def either_grammar(tools: list[Tool], final: str, tags: tuple[str, str], token_id: TokenId, flexible: bool) -> str:
     """With tools in auto mode and a json_schema response format, for a model family whose calls a grammar can
-    write (`tags` around the call's JSON): a Lark grammar (llguidance's, JSON schemas embedded) of one call in
-    that format or either_schema's JSON, so the model's first token chooses as it would unconstrained. Each
-    schema passes the same policy as a response_format (a 400 for what no backend enforces)."""
-    from plait.runtime.constrained.schema_policy import prepare_schema
-
-    options = {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE}}}"} if flexible else \
-        {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    write (`tags` around the call's JSON): the rules of a `body` (lark.py) that is one call in that format or
+    either_schema's JSON, so the model's first token chooses as it would unconstrained."""
     defs: dict = {}
     calls = [_call_schema(t, i, defs) for i, t in enumerate(tools)]
     call: dict = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if defs:
         call = {**call, "$defs": defs}
-
-    def embedded(schema: dict) -> str:
-        prepared = prepare_schema(schema, "llguidance")
-        prepared = {**prepared, "x-guidance": options} if isinstance(prepared, dict) else prepared
-        return "%json " + json.dumps(prepared)
-
-    def literal(text: str) -> str:
-        """A tag as its one token where it is one (a special token matches no text), else as text."""
-        head = text.strip()
-        tid = token_id(head)
-        parts = [json.dumps(text[:text.index(head)]), f"<[{tid}]>" if tid is not None else json.dumps(head),
-                 json.dumps(text[text.index(head) + len(head):])]
-        return " ".join(p for p in parts if p != '""')
-
     open_, close = tags
     # small models often write a call as bare JSON: the untagged branch takes that too (either_schema)
-    return (f"start: call | final\ncall: {literal(open_)} {embedded(call)} {literal(close)}\n"
-            f"final: {embedded(json.loads(either_schema(tools, final)))}\n")
+    return (f"body: call | final\n"
+            f"call: {literal(open_, token_id)} {embedded_json(call, flexible)} {literal(close, token_id)}\n"
+            f"final: {embedded_json(json.loads(either_schema(tools, final)), flexible)}\n")
 
 
 def either_parse(text: str, tools: list[Tool]) -> list[Call]:
