@@ -71,9 +71,10 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         stored = _Stored(run.response("in_progress" if not req.background else "queued"),
                          _input_items(req), history + turn, states=states) if req.store else None
         gen = state.client.results(states, req.stream, single=False)
+        if stored is not None:
+            store.put(stored)  # retrievable while it runs
         if req.background:
             stored.task = asyncio.ensure_future(_finish_in_background(state, run, gen, stored))
-            store.put(stored)
             return JSONResponse(stored.response)
         if req.stream:
             if constrained(msgs):
@@ -359,7 +360,10 @@ async def _events(request: Request, run: _Run, gen: AsyncIterator[dict], store: 
         yield sse(run._event("response.failed", response=failed))
         return
     finally:
-        await gen.aclose()
+        await gen.aclose()  # a client that left aborts what is unfinished
+        if run.status is None and stored is not None:
+            stored.response = run.response("cancelled")
+            store.put(stored)
     _settle(run, stored, store)
     kind = {"incomplete": "response.incomplete", "cancelled": "response.failed"}.get(run.status, "response.completed")
     yield sse(run._event(kind, response=run.response()))
