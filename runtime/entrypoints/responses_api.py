@@ -80,7 +80,12 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
             if constrained(msgs):
                 gen = await started(request, state.client, gen)
             return StreamingResponse(_events(request, run, gen, store, stored), media_type="text/event-stream")
-        await first_or_disconnect(request, state.client, gen)
+        try:
+            await first_or_disconnect(request, state.client, gen)
+        except Exception:
+            if stored is not None:
+                stored.response = run.response("failed")
+            raise
         _settle(run, stored, store)
         return JSONResponse(run.response())
 
