@@ -239,7 +239,7 @@ def _constraint(req: ChatCompletionRequest, state: ServerState, inside: bool) ->
     token_id = functools.partial(_single_token, state.client)
     given = req.grammar()
     flexible = given.get("json_whitespace") == "flexible"
-    forced = _tool_grammar(req, state.tool_parser, token_id, flexible)
+    forced = _tool_grammar(req, given, state.tool_parser, token_id, flexible)
     body = forced.pop("body", None)
     schema = forced.get("json_schema", given.get("json_schema"))
     reasoning = state.reasoning_parser
@@ -252,15 +252,23 @@ def _constraint(req: ChatCompletionRequest, state: ServerState, inside: bool) ->
     return forced
 
 
-def _tool_grammar(req: ChatCompletionRequest, parser: ToolCallParser, token_id, flexible: bool) -> dict:
+def tool_mode(req: ChatCompletionRequest, parser: ToolCallParser) -> str:
+    """req.tool_mode(), or "either" for tools in auto mode beside a json_schema response format where the family's
+    calls cannot be written by a grammar (the output is then the JSON of a call or of the final object)."""
+    mode = req.tool_mode()
+    if mode == "auto" and req.grammar().get("json_schema") is not None and parser.call_tags is None:
+        return "either"
+    return mode
+
+
+def _tool_grammar(req: ChatCompletionRequest, given: dict, parser: ToolCallParser, token_id, flexible: bool) -> dict:
     """The json_schema constraint for tool_choice 'required' or a named function, and for tools in auto mode
     beside a json_schema response format a grammar of a call or the final object: in the family's own call
     format where a grammar can write it ("body": Lark rules), else JSON of either."""
-    mode = req.tool_mode()
-    given = req.grammar()
+    mode = tool_mode(req, parser)
+    if mode == "either":
+        return {"json_schema": either_schema(req.tools, given["json_schema"])}
     if mode == "auto" and given.get("json_schema") is not None:
-        if parser.call_tags is None:
-            return {"json_schema": either_schema(req.tools, given["json_schema"])}
         return {"body": either_grammar(req.tools, given["json_schema"], parser.call_tags, token_id, flexible)}
     if mode not in ("required", "named"):
         return {}
@@ -407,7 +415,7 @@ class ChatReply:
         self.reasoning = ReasoningStream(view.reasoning, view.inside) if view.reasoning else None
         self.tools = ToolCallStream(view.tool_parser, view.names) if view.tool_mode == "auto" else None
         self.sent = 0  # content characters sent (no tool parsing)
-        self.calls_sent = 0  # calls sent (forced calls)
+        self.calls_sent = 0  # calls returned so far
 
     def feed(self, text: str, final: bool) -> tuple[str, str, list[Call]]:
         """(reasoning, content, new calls) to send for the reply so far."""
@@ -421,9 +429,7 @@ class ChatReply:
             content, calls = self.tools.feed(text, final)
         elif mode in ("required", "named"):
             # the grammar's JSON is never content: its complete calls, even where max_tokens cut the rest
-            found = parse_constrained(text)
-            content, calls = "", found[self.calls_sent:]
-            self.calls_sent = len(found)
+            content, calls = "", parse_constrained(text)[self.calls_sent:]
         elif mode == "either":  # only the whole output tells a call from the final object
             if not final:
                 return reasoning, "", []
@@ -431,7 +437,13 @@ class ChatReply:
             content = "" if calls else text
         else:
             content, calls, self.sent = text[self.sent:], [], len(text)
+        self.calls_sent += len(calls)
         return reasoning, content, calls
+
+    @property
+    def content_sent(self) -> int:
+        """Characters of the reply's content sent so far."""
+        return self.tools.sent if self.tools is not None else self.sent
 
 
 class ChatView(_View):
@@ -441,14 +453,10 @@ class ChatView(_View):
     def __init__(self, state, req: ChatCompletionRequest, states, inside: bool):
         super().__init__(state, req, states)
         self.role_sent = [False] * len(states)
-        self.tool_mode = req.tool_mode()
-        if self.tool_mode == "auto" and req.grammar().get("json_schema") is not None and \
-                state.tool_parser.call_tags is None:
-            self.tool_mode = "either"  # JSON of a call or the final object (a tagged call is read as in auto)
+        self.tool_mode = tool_mode(req, state.tool_parser)
         self.tool_parser, self.reasoning, self.inside = state.tool_parser, state.reasoning_parser, inside
         self.names = {t.function.name for t in req.tools or []}
         self.replies = [ChatReply(self) for _ in states]
-        self.calls_sent = [0] * len(states)
 
     def _message(self, st: ReqState) -> tuple[dict, str | None]:
         """The assistant message and finish reason, with reasoning and tool calls parsed out."""
@@ -491,10 +499,11 @@ class ChatView(_View):
         i = snap["index"]
         st = self.states[i]
         finish = finish_reason(st)
+        reply = self.replies[i]
         if finish == "abort":
-            reasoning, content, calls = "", st.text[self.replies[i].sent:], []
+            reasoning, content, calls = "", st.text[reply.content_sent:], []
         else:
-            reasoning, content, calls = self.replies[i].feed(st.text, final=finish is not None)
+            reasoning, content, calls = reply.feed(st.text, final=finish is not None)
         lps, tops = self._new_logprobs(i)
         d: dict[str, Any] = {}
         if reasoning:
@@ -502,16 +511,14 @@ class ChatView(_View):
         if content or (self.tool_mode == "none" and self.reasoning is None):
             d["content"] = content  # plain chat sends a chunk per step
         out = [self._delta(i, d, self._logprobs(lps, tops) if lps else None)] if d else []
-        for call in calls:
-            k = self.calls_sent[i]
-            self.calls_sent[i] += 1
+        for k, call in enumerate(calls, start=reply.calls_sent - len(calls)):
             wire = wire_call(call)
             out.append(self._delta(i, {"tool_calls": [{"index": k, "id": wire["id"], "type": "function",
                                                        "function": {"name": call.name, "arguments": ""}}]}))
             out.append(self._delta(i, {"tool_calls": [{"index": k, "function": {
                 "arguments": wire["function"]["arguments"]}}]}))
         if finish is not None:
-            finish = "tool_calls" if self.calls_sent[i] and finish != "abort" else finish
+            finish = "tool_calls" if reply.calls_sent and finish != "abort" else finish
             if out and "content" in out[-1]["choices"][0]["delta"] and not calls:
                 out[-1]["choices"][0]["finish_reason"] = finish
             else:

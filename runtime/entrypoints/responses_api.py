@@ -74,7 +74,7 @@ def add_responses_routes(app: FastAPI, state: ServerState) -> None:
         if stored is not None:
             store.put(stored)  # retrievable while it runs
         if req.background:
-            stored.task = asyncio.ensure_future(_finish_in_background(state, run, gen, stored))
+            stored.task = asyncio.ensure_future(_finish_in_background(state, run, gen, stored, store))
             return JSONResponse(stored.response)
         if req.stream:
             if constrained(msgs):
@@ -246,17 +246,17 @@ class _Run:
             events += self._close_reasoning() + self._close_text()
             finish = finish_reason(st)
             self.status = {"length": "incomplete", "abort": "cancelled"}.get(finish, "completed")
-            if calls or any(i["type"] == "function_call" for i in self.items):
+            if any(i["type"] == "function_call" for i in self.items):
                 self.status = "completed"
         return events
 
-    def _event(self, kind: str, **fields) -> dict:
+    def event(self, kind: str, **fields) -> dict:
         self.seq += 1
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
 
     def _open(self, item: dict) -> dict:
         self.items.append(item)
-        return self._event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item))
+        return self.event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item))
 
     def _add_text(self, delta: str) -> list[dict]:
         events = []
@@ -266,10 +266,10 @@ class _Run:
             events.append(self._open(self.open_text))
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             self.open_text["content"].append(part)
-            events.append(self._event("response.content_part.added", item_id=self.open_text["id"],
+            events.append(self.event("response.content_part.added", item_id=self.open_text["id"],
                                       output_index=len(self.items) - 1, content_index=0, part=dict(part)))
         self.open_text["content"][0]["text"] += delta
-        return events + [self._event("response.output_text.delta", item_id=self.open_text["id"],
+        return events + [self.event("response.output_text.delta", item_id=self.open_text["id"],
                                      output_index=self.items.index(self.open_text), content_index=0, delta=delta,
                                      logprobs=[])]
 
@@ -279,11 +279,11 @@ class _Run:
             return []
         item["status"] = "completed"
         index, part = self.items.index(item), item["content"][0]
-        return [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+        return [self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                             text=part["text"], logprobs=[]),
-                self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                self.event("response.content_part.done", item_id=item["id"], output_index=index,
                             content_index=0, part=dict(part)),
-                self._event("response.output_item.done", output_index=index, item=dict(item))]
+                self.event("response.output_item.done", output_index=index, item=dict(item))]
 
     def _add_reasoning(self, delta: str) -> list[dict]:
         events = []
@@ -292,7 +292,7 @@ class _Run:
                                    "summary": [], "content": [{"type": "reasoning_text", "text": ""}]}
             events.append(self._open(self.open_reasoning))
         self.open_reasoning["content"][0]["text"] += delta
-        return events + [self._event("response.reasoning_text.delta", item_id=self.open_reasoning["id"],
+        return events + [self.event("response.reasoning_text.delta", item_id=self.open_reasoning["id"],
                                      output_index=self.items.index(self.open_reasoning), content_index=0,
                                      delta=delta)]
 
@@ -302,9 +302,9 @@ class _Run:
             return []
         item["status"] = "completed"
         index = self.items.index(item)
-        return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+        return [self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                             content_index=0, text=item["content"][0]["text"]),
-                self._event("response.output_item.done", output_index=index, item=dict(item))]
+                self.event("response.output_item.done", output_index=index, item=dict(item))]
 
     def _add_call(self, call) -> list[dict]:
         wire = wire_call(call)
@@ -314,11 +314,11 @@ class _Run:
         index, args = len(self.items) - 1, wire["function"]["arguments"]
         item.update(arguments=args, status="completed")
         return events + [
-            self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+            self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                         delta=args),
-            self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+            self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                         name=call.name, arguments=args),
-            self._event("response.output_item.done", output_index=index, item=dict(item))]
+            self.event("response.output_item.done", output_index=index, item=dict(item))]
 
     def assistant_message(self) -> dict:
         """The output as a chat message, for the conversation a later response continues."""
@@ -352,8 +352,8 @@ async def _events(request: Request, run: _Run, gen: AsyncIterator[dict], store: 
     def sse(event: dict) -> bytes:
         return f"event: {event['type']}\ndata: ".encode() + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
 
-    yield sse(run._event("response.created", response=run.response("in_progress")))
-    yield sse(run._event("response.in_progress", response=run.response("in_progress")))
+    yield sse(run.event("response.created", response=run.response("in_progress")))
+    yield sse(run.event("response.in_progress", response=run.response("in_progress")))
     try:
         async for _ in gen:
             for event in run.advance():
@@ -362,7 +362,7 @@ async def _events(request: Request, run: _Run, gen: AsyncIterator[dict], store: 
                 break
     except Exception as e:  # noqa: BLE001 - a refusal or dead runtime after the stream began ends it as failed
         failed = {**run.response("failed"), "error": {"code": "server_error", "message": str(e)}}
-        yield sse(run._event("response.failed", response=failed))
+        yield sse(run.event("response.failed", response=failed))
         return
     finally:
         await gen.aclose()  # a client that left aborts what is unfinished
@@ -371,10 +371,11 @@ async def _events(request: Request, run: _Run, gen: AsyncIterator[dict], store: 
             store.put(stored)
     _settle(run, stored, store)
     kind = {"incomplete": "response.incomplete", "cancelled": "response.failed"}.get(run.status, "response.completed")
-    yield sse(run._event(kind, response=run.response()))
+    yield sse(run.event(kind, response=run.response()))
 
 
-async def _finish_in_background(state: ServerState, run: _Run, gen: AsyncIterator[dict], stored: _Stored) -> None:
+async def _finish_in_background(state: ServerState, run: _Run, gen: AsyncIterator[dict], stored: _Stored,
+                                store: _Store) -> None:
     stored.response = run.response("in_progress")
     try:
         await state.client.first(gen)
@@ -385,7 +386,4 @@ async def _finish_in_background(state: ServerState, run: _Run, gen: AsyncIterato
         stored.response = {**run.response("failed"), "error": {"code": "server_error", "message": str(e)}}
         stored.task = None
         return
-    run.advance()
-    stored.response = run.response()
-    stored.history = [*stored.history, run.assistant_message()]
-    stored.task = None
+    _settle(run, stored, store)

@@ -3,34 +3,19 @@
 
 from __future__ import annotations
 
-import json
-
-from plait.runtime.parsers.tool_call import Call, ToolCallParser, bare_calls, json_values, register
+from plait.runtime.parsers.tool_call import Call, TaggedJsonParser, bare_calls, json_values, register
 
 _TAG, _ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
 @register("mistral")
-class MistralParser(ToolCallParser):
-    starts = (_TAG,)
-    bare_json = True
-    template_markers = (_TAG,)
+class MistralParser(TaggedJsonParser):
+    tag = _TAG
+    how_to_call = ('To call tools, reply with [TOOL_CALLS] followed by a JSON list [{"name": <tool name>, '
+                   '"arguments": <arguments object>}].')
 
-    def parse(self, text: str, names: set[str], final: bool) -> tuple[str, list[Call]]:
-        head, tag, body = text.partition(_TAG)
-        if not tag:
-            head, body = "", text
-        if _ARGS in body:
-            calls = _named_calls(body, names)
-            rest = ""
-        else:
-            rest, calls = bare_calls(body, names, final)
-        return (head + rest).strip() if calls else text, calls
-
-    def instruction(self, tools: list[dict]) -> str:
-        specs = "\n".join(json.dumps(t) for t in tools)
-        return ("You can call these tools:\n" + specs + '\nTo call tools, reply with [TOOL_CALLS] followed by a '
-                'JSON list [{"name": <tool name>, "arguments": <arguments object>}].')
+    def body_calls(self, body: str, names: set[str], final: bool) -> tuple[str, list[Call]]:
+        return ("", _named_calls(body, names)) if _ARGS in body else bare_calls(body, names, final)
 
     def render(self, calls: list[tuple[str, str]]) -> str:
         return _TAG + "[" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}' for n, a in calls) + "]"

@@ -27,6 +27,8 @@ class ToolCallParser:
     bare_json: ClassVar[bool] = False  # a reply that opens with `{` or `[` (fenced or not) may be calls
     template_markers: ClassVar[tuple[str, ...]] = ()  # a chat template holding one of these writes this format
     call_tags: ClassVar[tuple[str, str] | None] = None  # the text around one call's JSON, where a grammar can write it
+    how_to_call: ClassVar[str] = ('To call a tool, reply with <tool_call>{"name": <tool name>, "arguments": '
+                                  '<arguments object>}</tool_call>.')
 
     def parse(self, text: str, names: set[str], final: bool) -> tuple[str, list[Call]]:
         """(the content left, the calls) of `text`; before the reply is `final`, only calls already complete."""
@@ -34,13 +36,33 @@ class ToolCallParser:
 
     def instruction(self, tools: list[dict]) -> str:
         """A system note for templates that do not render tools: the tools and how to call one."""
-        specs = "\n".join(json.dumps(t) for t in tools)
-        return ("You can call these tools:\n" + specs + "\nTo call a tool, reply with "
-                '<tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call>.')
+        return "You can call these tools:\n" + "\n".join(json.dumps(t) for t in tools) + "\n" + self.how_to_call
 
     def render(self, calls: list[tuple[str, str]]) -> str:
         """Past calls (name, arguments JSON) as this format writes them, for templates without tool support."""
         return "\n".join(f'<tool_call>{{"name": "{n}", "arguments": {a}}}</tool_call>' for n, a in calls)
+
+
+class TaggedJsonParser(ToolCallParser):
+    """A format of a marker (`tag`) then the calls' JSON: text before the marker is content, and a reply without
+    it is read as calls' JSON where it is only that (the marker may be a special token the detokenizer drops)."""
+
+    tag: ClassVar[str]
+    bare_json = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.starts = cls.template_markers = (cls.tag,)
+
+    def parse(self, text: str, names: set[str], final: bool) -> tuple[str, list[Call]]:
+        head, tag, body = text.partition(self.tag)
+        if not tag:
+            head, body = "", text
+        rest, calls = self.body_calls(body, names, final)
+        return (head + rest).strip() if calls else text, calls
+
+    def body_calls(self, body: str, names: set[str], final: bool) -> tuple[str, list[Call]]:
+        return bare_calls(body, names, final)
 
 
 TOOL_PARSERS: dict[str, str] = {  # --tool-call-parser -> the module under plait.runtime.parsers that registers it
