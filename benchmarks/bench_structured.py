@@ -4,12 +4,16 @@
    (jump-forward off, so both sample every token; the unconstrained run decodes exactly as
    many tokens per request as its constrained twin);
 2. JSON-schema requests per second with jump-forward on vs off (same requests, greedy);
-3. over the real-world schema corpus, for every backend and `auto`: coverage (compiled /
-   rejected / over the timeout), compile p50/p99, and the mask fill's cost per token; `served` is
-   `auto` as the scheduler runs it (compile workers; a backend past half the time left falls through).
+3. completion with the model over a sample of the real-world schema corpus: refused, complete and
+   valid (at the grammar's end, or closed early as the budget ran low), cut, invalid;
+4. over the whole corpus, for every backend and `auto`: coverage (compiled / rejected / over the
+   timeout), compile p50/p99, and the mask fill's cost per token; `served` is `auto` as the
+   scheduler runs it (compile workers; a backend past half the time left falls through).
 
-    python benchmarks/bench_structured.py                  # all three, table in results/structured.md
-    python benchmarks/bench_structured.py --skip-compile   # 1 and 2 only
+    python benchmarks/bench_structured.py                    # all four, table in results/structured.md
+    python benchmarks/bench_structured.py --skip-compile     # 1 to 3
+    python benchmarks/bench_structured.py --only-completion  # 3
+    python benchmarks/bench_structured.py --only-compile     # 4
 """
 
 from __future__ import annotations
@@ -246,6 +250,56 @@ def served_compile_times(schemas: list[str], instances: list[str | None], timeou
     return stats
 
 
+def completion_table(args) -> list[str]:
+    """Every `--completion-every`th corpus schema generated with the model (sampled, `--completion-tokens` at
+    most, 8 in flight): how many are refused, end complete and valid (the grammar's end, or closed early as the
+    budget ran low), come back cut, or come back invalid."""
+    import jsonschema
+
+    from plait import Engine
+
+    with open(CORPUS) as f:
+        rows = [json.loads(line) for line in f if line.strip()][::args.completion_every]
+    eng = Engine(num_threads=args.threads, log_level="warning", max_total_tokens=65536)
+    tok = eng.tokenizer
+    counts = {"refused": 0, "complete": 0, "closed": 0, "cut": 0, "invalid": 0}
+
+    def one(row: dict) -> str:
+        text = json.dumps(row["schema"])
+        prompt = chat(tok, "Write a JSON document that follows this JSON schema:\n" + text[:1500])
+        try:
+            out = eng.generate(prompt, {"json_schema": text, "temperature": 0.7, "seed": 1,
+                                        "max_new_tokens": args.completion_tokens})
+        except ValueError:
+            return "refused"
+        finish = out["meta_info"]["finish_reason"]
+        try:
+            doc = json.loads(out["text"])
+        except json.JSONDecodeError:
+            return "cut" if finish["type"] == "length" else "invalid"
+        cls = getattr(jsonschema, row["draft"] + "Validator")
+        if not cls(row["schema"], format_checker=cls.FORMAT_CHECKER).is_valid(doc):
+            return "invalid"
+        return "complete" if finish["type"] == "stop" else "closed"
+
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            for outcome in pool.map(one, rows):
+                counts[outcome] += 1
+    finally:
+        eng.shutdown()
+    accepted = len(rows) - counts["refused"]
+    done = counts["complete"] + counts["closed"]
+    return [f"**Completion with the model** (every {args.completion_every}th corpus schema: {len(rows)}; temperature "
+            f"0.7, max_new_tokens {args.completion_tokens}, 8 in flight; {time.perf_counter() - t0:.0f} s)", "",
+            "| schemas | refused | accepted | complete | closed early (complete) | cut | invalid | complete and "
+            "valid |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| {len(rows)} | {counts['refused']} | {accepted} | {counts['complete']} | {counts['closed']} | "
+            f"{counts['cut']} | {counts['invalid']} | **{done}/{accepted} ({100 * done / max(accepted, 1):.0f}%)** |"]
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -276,16 +330,24 @@ def main() -> None:
     ap.add_argument("--skip-compile", action="store_true")
     ap.add_argument("--only-compile", action="store_true")
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--completion-every", type=int, default=5, help="every Nth corpus schema in the completion table")
+    ap.add_argument("--completion-tokens", type=int, default=512)
+    ap.add_argument("--skip-completion", action="store_true")
+    ap.add_argument("--only-completion", action="store_true")
     ap.add_argument("--backends", default="xgrammar,llguidance,outlines,auto,served",
                     help="for the corpus table (served: auto as the scheduler compiles, in worker processes)")
     args = ap.parse_args()
     cmd = "python benchmarks/bench_structured.py " + " ".join(sys.argv[1:])
     lines = [f"`{cmd}` (fp32, {args.threads} threads, default model)", ""]
 
-    if not args.only_compile:
+    if not args.only_compile and not args.only_completion:
         lines += timing_tables(args)
 
-    if not args.skip_compile:
+    if not args.skip_completion and not args.only_compile:
+        lines += [""] + completion_table(args)
+        print("\n".join(lines[-5:]), flush=True)
+
+    if not args.skip_compile and not args.only_completion:
         with open(CORPUS) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         schemas = [json.dumps(r["schema"]) for r in rows]
@@ -311,7 +373,7 @@ def main() -> None:
 
     table = "\n".join(lines)
     print("\n" + table)
-    if not args.no_save and not args.skip_compile and not args.only_compile:
+    if not args.no_save and not (args.skip_compile or args.only_compile or args.only_completion):
         save_results("structured.md", table)
 
 

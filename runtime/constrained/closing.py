@@ -23,10 +23,12 @@ import torch
 from plait.runtime.constrained.base import Matcher
 from plait.runtime.constrained.bitmask import allocate_bitmask, allow_only, allowed_bits
 
-# the search begins this many tokens before the budget ends (a longer completion is not looked for)
-CLOSE_WINDOW = 48
-_MAX_STEPS = 200  # tokens the search may accept (each costs a mask): it runs once a step near the budget
+# the search begins this many tokens before the budget ends (a longer completion is not looked for): a
+# document with several required values left (two date-times, an enum, a number) needs 50 tokens or more
+CLOSE_WINDOW = 160
+_MAX_STEPS = 400  # tokens a search may accept (each costs a mask); plans are kept while they hold
 _FALLBACK = 3
+_DISCREPANCIES = 2  # passes that leave the preferred path at most this many times, before a full search
 _CLOSERS = set('"}]')
 _PUNCTUATION = set("{}[],:")
 _VALUES = ("0", '""', "[]", "{}", "null", "true", "false", '"', "[", "{", "-", "a", "t", "f", "n", " ")
@@ -83,13 +85,11 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
     """Token ids that take `matcher` (having produced `text`, or what it left open) to a state where
     the end of sequence is allowed, at most `limit` of them; None if the search finds none. Depth
     first, trying first the tokens that leave the least JSON open (strings, arrays, objects) and, among
-    equals, the closers, separators and short values in `vocab.ordered`; it backtracks out of dead ends
-    but stops once its path runs past `limit`. The matcher is left as it was."""
+    equals, the closers, separators and short values in `vocab.ordered`, in passes of limited discrepancy
+    (the preferred path, then those that leave it once, twice, then any); it backtracks out of dead ends
+    and paths that run past `limit`, within _MAX_STEPS tokens accepted. The matcher is left as it was."""
     bitmask, probe = allocate_bitmask(1, vocab.vocab_size), allocate_bitmask(1, vocab.vocab_size)
     steps = 0
-
-    class TooDeep(Exception):
-        """The first path found runs past the limit: others would not be shorter, so stop."""
 
     def key(state: _Open, tok: int) -> tuple:
         text = _text_of(vocab, tok)
@@ -124,32 +124,39 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
         finally:
             matcher.rollback(1)
 
-    def search(depth: int, state: _Open) -> list[int] | None:
+    def search(depth: int, state: _Open, slack: int) -> list[int] | None:
+        """A completion from here that leaves the preferred token at most `slack` times (-1: any)."""
         nonlocal steps
         if may_end(matcher, vocab, bitmask):  # fills bitmask: the candidates come from it
             return []
-        if depth == limit:
-            raise TooDeep
+        if depth == limit:  # too long: back out (another choice, a shorter tool name, may fit)
+            return None
+        taken = 0
         for tok in candidates(bitmask[0], state):
-            if steps >= _MAX_STEPS:
+            if steps >= _MAX_STEPS or (taken > slack >= 0):
                 return None
             if not matcher.accept_token(tok):
                 continue
             steps += 1
             try:
-                rest = search(depth + 1, state.after(_text_of(vocab, tok)))
+                rest = search(depth + 1, state.after(_text_of(vocab, tok)), slack - (taken > 0) if slack > 0 else slack)
             finally:
                 matcher.rollback(1)
+            taken += 1
             if rest is not None:
                 return [tok] + rest
         return None  # a dead end: the caller tries its next token
 
     if limit < 0:
         return None
-    try:
-        return search(0, _Open().after(text) if isinstance(text, str) else text)
-    except TooDeep:
-        return None
+    start = _Open().after(text) if isinstance(text, str) else text
+    # limited discrepancy: the preferred path first, then paths that leave it once, twice (a depth-first
+    # search spends its steps in the first choice's subtree: the longer tool name when a shorter one fits)
+    for slack in (*range(_DISCREPANCIES + 1), -1):
+        plan = search(0, start, slack)
+        if plan is not None or steps >= _MAX_STEPS:
+            return plan
+    return None
 
 
 @dataclass(frozen=True)

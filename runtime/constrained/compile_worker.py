@@ -173,12 +173,16 @@ class CompileWorker:
         return code
 
 
+# under auto, the longest a backend that another follows may compile: the next one takes the grammar after
+FALL_THROUGH_S = 1.0
+
+
 class IsolatedCompiler:
     """GrammarCache's compiler in the scheduler: compiles in a CompileWorker, loads the result here.
 
     Under `auto` it tries the backends one job at a time, and each but the last gets at most half of
-    the time left: a schema that xgrammar would compile for minutes falls through to llguidance
-    (milliseconds) instead of failing at the timeout."""
+    the time left, and no more than FALL_THROUGH_S: a grammar that xgrammar would compile for minutes
+    falls through to llguidance (milliseconds) within a second instead of failing at the timeout."""
 
     def __init__(self, backend: GrammarBackend, config: WorkerConfig, timeout: float):
         self.backend, self.config, self.timeout = backend, config, timeout
@@ -205,7 +209,8 @@ class IsolatedCompiler:
 
         def remote(job: CompileJob, share: float) -> CompileReply:
             self.worker.wait_ready()
-            budget = (self.timeout - spent[0]) * share
+            budget = (self.timeout - spent[0]) * share if share == 1.0 else min(
+                (self.timeout - spent[0]) * share, FALL_THROUGH_S)
             if budget <= 0:
                 raise GrammarError(f"no time was left to compile this {kind}")
             t = time.monotonic()
@@ -218,9 +223,9 @@ class IsolatedCompiler:
             return reply
 
         if isinstance(self.backend, AutoBackend):
-            last = self.backend.candidates(kind)[-1].name
+            last = self.backend.candidates(kind, style)[-1].name
             reply = self.backend.first(kind, lambda backend: remote(
-                msgspec.structs.replace(job, only=backend.name), 1.0 if backend.name == last else 0.5))
+                msgspec.structs.replace(job, only=backend.name), 1.0 if backend.name == last else 0.5), style)
         else:
             reply = remote(job, 1.0)
         return self.backend.load(reply.backend, kind, text, style, reply.payload)

@@ -121,5 +121,12 @@ class LLGuidanceBackend(GrammarBackend):
 
 
 def _first_line(e) -> str:
-    msg = str(e).strip()
-    return msg.splitlines()[0] if msg else type(e).__name__
+    """The error's first line, with the reason a regex error gives further down (`error: look-around ...
+    is not supported`) and the pattern it is about."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    reason = next((line[len("error:"):].strip() for line in lines[1:] if line.startswith("error:")), None)
+    if reason is None:
+        return lines[0]
+    return f"{lines[0].rstrip(':')}: {reason}" + (f" in {lines[1]!r}" if len(lines) > 2 else "")

@@ -68,8 +68,9 @@ _COMMON = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properti
            "format"}
 _SUPPORTED = {
     # (xgrammar's own propertyNames leaves the names in `properties` unchecked: names_as_properties)
+    # (measured: xgrammar's own unevaluatedProperties ignores names an anyOf branch or a nested allOf lists)
     "xgrammar": _COMMON | {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-                           "patternProperties", "maxProperties", "unevaluatedProperties"},
+                           "patternProperties", "maxProperties"},
     "llguidance": _COMMON | {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
                              "patternProperties", "minProperties", "maxProperties"},
     "outlines": _COMMON | {"minProperties"},
@@ -89,6 +90,8 @@ _FORMATS = {
 # from the corpus), so it takes only the patterns written here (formats.py), checked on edge cases
 _UNTRUSTED_PATTERNS = {"xgrammar"}
 _TRUSTED_PATTERNS = {f"^{p}$" for p, _ in EXACT.values()} | {f"^{p}$" for p in NARROWER.values()}
+# backends that take an allOf of patterns (llguidance intersects the regexes)
+_PATTERNS_INTERSECTED = {"llguidance"}
 # backends that enforce what stands beside an anyOf (the others get it copied into each branch)
 _SIBLINGS_WITH_ANYOF = {"llguidance"}
 # backends that enforce minLength/maxLength beside a pattern or format (xgrammar drops the lengths,
@@ -122,6 +125,8 @@ def rewrite_schema(schema: Any, backend: str, narrow: bool = True) -> tuple[dict
     schema = copy.deepcopy(schema)
     walker = _Walker(schema, backend, narrow)
     walker.visit(schema, "#")
+    if walker.impossible(schema):
+        walker.problems.insert(0, "a schema that no value satisfies (its types, values or required parts clash) at #")
     if walker.problems:
         shown = "; ".join(walker.problems[:8]) + (f"; and {len(walker.problems) - 8} more" if len(walker.problems) > 8 else "")
         raise GrammarError(f"json_schema uses what the {backend} backend cannot enforce: {shown}")
@@ -192,6 +197,41 @@ class _Walker:
         for key in ("anyOf", "prefixItems"):
             for i, sub in enumerate(s.get(key) or []):
                 self.visit(sub, f"{ptr}/{key}/{i}")
+        self.prune(s)
+
+    def prune(self, s: dict) -> None:
+        """Parts that admit no value (`false`, an empty enum: an `enum` none of whose values has the
+        `type`, an `allOf` whose values clash) dropped where their parent allows it: an anyOf branch, an
+        optional property, the items past a prefix. A required one leaves the parent admitting none."""
+        self.values_of_type(s)  # again: an allOf merged since may have brought a type or values
+        if isinstance(s.get("anyOf"), list) and s["anyOf"]:
+            kept = [b for b in s["anyOf"] if not self.impossible(b)]
+            if not kept:
+                return _make_impossible(s)
+            s["anyOf"] = kept
+        props = s.get("properties")
+        for name, sub in list(props.items()) if isinstance(props, dict) else []:
+            if sub is False or not self.impossible(sub):
+                continue
+            if name in (s.get("required") or []):
+                return _make_impossible(s)
+            if s.get("additionalProperties") is False and not s.get("patternProperties"):
+                del props[name]  # unlisted, it is forbidden anyway (and xgrammar refuses `false`)
+            else:
+                props[name] = False
+        if "additionalProperties" in s and s["additionalProperties"] is not False \
+                and self.impossible(s["additionalProperties"]):
+            s["additionalProperties"] = False
+        if "items" in s and s["items"] is not False and self.impossible(s["items"]):
+            s.pop("items")
+            s["maxItems"] = min(s.get("maxItems", 1 << 30), len(s.get("prefixItems") or []))
+            if s.get("minItems", 0) > s["maxItems"]:
+                return _make_impossible(s)
+
+    def impossible(self, sub: Any) -> bool:
+        """Whether a (visited) subschema admits no value, as far as its own keywords say."""
+        sub = self.deref(sub)
+        return sub is False or (isinstance(sub, dict) and sub.get("enum") == [])
 
     def normalize(self, s: dict, ptr: str) -> None:
         for bound, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
@@ -207,6 +247,9 @@ class _Walker:
             if isinstance(s.get(key), float) and s[key].is_integer():
                 s[key] = int(s[key])
         self.infer_type(s, ptr)
+        self.values_of_type(s)
+        if self.backend == "llguidance" and self.narrow:
+            self.clamp_bounds(s, ptr)
         self.exact_format(s, ptr)
         if s.get("uniqueItems") is False or (s.get("uniqueItems") and s.get("maxItems", 2) <= 1):
             s.pop("uniqueItems")
@@ -219,12 +262,18 @@ class _Walker:
         self.if_then_else(s, ptr)
         if "allOf" in s:
             self.merge_all_of(s, ptr)
+        if "unevaluatedProperties" in s and "oneOf" not in s:  # before propertyNames sets additionalProperties
+            self.unevaluated_properties(s, ptr)
         if self.narrow:
             self.narrow_keywords(s, ptr)
             if "allOf" in s:  # brought by a narrowing (then, dependentSchemas)
                 self.merge_all_of(s, ptr)
         if "oneOf" in s:
             self.one_of(s, ptr)
+        if "unevaluatedProperties" in s:  # a oneOf is an anyOf by now
+            self.unevaluated_properties(s, ptr)
+        if "unevaluatedItems" in s:
+            self.unevaluated_items(s)
         if s.get("anyOf") and self.backend not in _SIBLINGS_WITH_ANYOF:
             self.siblings_into_branches(s)
         self.required_into_properties(s, ptr)
@@ -237,6 +286,65 @@ class _Walker:
             if not any(k in s for k in ("properties", "patternProperties", "additionalProperties",
                                         "unevaluatedProperties", "propertyNames")):
                 s["additionalProperties"] = True
+
+    def unevaluated_properties(self, s: dict, ptr: str) -> None:
+        """`unevaluatedProperties` (once allOf parts are merged in, and a oneOf is an anyOf) as the
+        `additionalProperties` it amounts to: exact beside properties alone; beside an anyOf, each branch
+        closed over the names it and the parent list (a narrowing: names another matching branch lists
+        would also count as evaluated)."""
+        extra = s["unevaluatedProperties"]
+        if extra is True or extra == {} or "additionalProperties" in s:  # nothing is left unevaluated
+            s.pop("unevaluatedProperties")
+            return
+        if any(k in s for k in _UNEVALUATED_BLOCKERS):
+            return  # refused by name
+        branches = s.get("anyOf")
+        if not branches:
+            s["additionalProperties"] = s.pop("unevaluatedProperties")
+            return
+        if len(branches) > 1 and not self.narrow:
+            return  # refused by name
+        closed = []
+        for branch in branches:
+            b = self.deref(branch)
+            if isinstance(b, dict) and "additionalProperties" in b:
+                closed.append(branch)  # it evaluates every name itself
+                continue
+            if not isinstance(b, dict) or any(k in b for k in _UNEVALUATED_BLOCKERS | {"anyOf", "oneOf"}):
+                return
+            names = {**(s.get("properties") or {}), **(b.get("properties") or {})}
+            patterns = {**(s.get("patternProperties") or {}), **(b.get("patternProperties") or {})}
+            closer = {"properties": {n: {} for n in names}, "additionalProperties": copy.deepcopy(extra)}
+            if patterns:
+                closer["patternProperties"] = {p: {} for p in patterns}
+            closed.append({"allOf": [branch, closer]})
+        s.pop("unevaluatedProperties")
+        s["anyOf"] = closed
+        if len(closed) > 1:
+            self.note(ptr, "unevaluatedProperties beside anyOf as each branch closed over its own names")
+
+    def own_unevaluated(self, part: dict, where: str) -> bool:
+        """An allOf part's unevaluated* as what they say within the part, before it is merged (the other
+        parts' names and items do not count as evaluated for it); False where that cannot be said."""
+        for key, plain in (("unevaluatedProperties", "additionalProperties"), ("unevaluatedItems", "items")):
+            if key not in part:
+                continue
+            if plain not in part and any(k in part for k in _UNEVALUATED_BLOCKERS | {"anyOf", "oneOf", "contains"}):
+                self.bad(where, f"'allOf' part with {key!r} beside an applicator")
+                return False
+            extra = part.pop(key)
+            part.setdefault(plain, extra)
+        return True
+
+    @staticmethod
+    def unevaluated_items(s: dict) -> None:
+        """`unevaluatedItems` as the `items` it amounts to, where nothing but prefixItems evaluates items
+        (exact); left in place, and refused by name, beside an applicator or contains."""
+        extra = s["unevaluatedItems"]
+        if extra is True or extra == {} or "items" in s:
+            s.pop("unevaluatedItems")
+        elif not any(k in s for k in _UNEVALUATED_BLOCKERS | {"anyOf", "oneOf", "contains"}):
+            s["items"] = s.pop("unevaluatedItems")
 
     def siblings_into_branches(self, s: dict) -> None:
         """A + anyOf [B1, B2] as anyOf [A + B1, A + B2] (exact), for backends that drop what stands
@@ -260,12 +368,18 @@ class _Walker:
             return
         sent, root = self.sent_branches(s, ptr, branches)
         chosen = None
+        # each branch with what stands beside the oneOf merged in (a discriminator the parent requires,
+        # its type): an instance of the parent has them, so they tell branches apart too
+        siblings = {k: v for k, v in s.items() if k in _ASSERTING and k not in _NOT_MERGED_INTO_BRANCHES}
+        branches = [self.flattened(b, siblings, None) for b in branches]
+        if sent is not None:
+            sent = [self.flattened(b, siblings, root) for b in sent]
         if sent is not None:
             candidates = [branches]
             if self.narrow:
                 candidates += [n for n in (
                     [self.closed_object(b) for b in branches], self.exclusive(branches, s),
-                    self.discriminated(branches)) if n is not None]
+                    self.discriminated(branches), self.without_pinned(branches)) if n is not None]
             best = []
             for candidate in candidates:
                 kept = self.exclusive_of_others(candidate, sent, root)
@@ -281,11 +395,51 @@ class _Walker:
                                          + (f", {len(branches) - len(best)} of {len(branches)} left out"
                                             if len(best) < len(branches) else ""))
         if chosen is None:
-            self.bad(f"{ptr}/oneOf", "'oneOf' whose branches may overlap (exactly-one cannot be enforced)")
+            pair = self.overlapping_pair(branches, sent, root)
+            self.bad(f"{ptr}/oneOf", "'oneOf' whose branches may overlap (exactly-one cannot be enforced"
+                     + (f": branches {pair[0]} and {pair[1]} may both match" if pair else "") + ")")
         elif s.get("anyOf"):
             self.bad(f"{ptr}/oneOf", "'oneOf' beside 'anyOf'")
         else:
             s["anyOf"] = chosen
+
+    def flattened(self, branch: Any, siblings: dict, root: Any) -> Any:
+        """`branch` and `siblings` as one schema, where the allOf merge is exact (else `branch`); the
+        branch's references resolve in `root` (None: the schema being rewritten)."""
+        b = self.deref(branch, root)
+        if not isinstance(b, dict) or not (siblings or isinstance(b.get("allOf"), list)):
+            return branch
+        trial = copy.copy(self)  # shares the schemas; its own findings, and no narrowing
+        trial.problems, trial.narrowed, trial.origins, trial.narrow = [], [], {}, False
+        trial.root = self.root if root is None else root
+        merged = {**copy.deepcopy(siblings), "allOf": [copy.deepcopy(b)]}
+        trial.merge_all_of(merged, "#")
+        return branch if trial.problems or "allOf" in merged or trial.impossible(merged) else merged
+
+    def overlapping_pair(self, branches: list, sent: list | None, root: Any) -> tuple[int, int] | None:
+        """The first two branches no check tells apart (for the refusal's message)."""
+        others = sent if sent is not None else branches
+        return next(((i, j) for i in range(len(branches)) for j in range(i + 1, len(others))
+                     if not self.pair_disjoint(branches[i], others[j], rb=root)), None)
+
+    def without_pinned(self, branches: list) -> list | None:
+        """Each branch less the values the other branches pin (`{"enum": ["linux"]}` beside `{"type":
+        "string"}`), through `not`'s narrowing (longer strings, larger numbers). None where no other
+        branch pins values."""
+        pins = [self.pinned(b) for b in branches]
+        if all(p is None for p in pins):
+            return None
+        out = []
+        for i, branch in enumerate(branches):
+            banned = sorted(set().union(*(p for j, p in enumerate(pins) if j != i and p is not None)))
+            b = self.deref(branch)
+            if not banned or not isinstance(b, dict) or "not" in b:
+                out.append(branch)
+                continue
+            b = {**copy.deepcopy(b), "not": {"enum": [json.loads(v) for v in banned]}}
+            self.narrow_not(b)
+            out.append(branch if "not" in b else b)
+        return out
 
     def exclusive_of_others(self, candidate: list, sent: list, root: Any) -> list[tuple[int, Any]]:
         """(index, branch) of the candidate branches that admit nothing another branch as sent admits."""
@@ -317,27 +471,38 @@ class _Walker:
             s["format"] = fmt = SUBFORMAT[fmt]
             if fmt in _FORMATS[self.backend]:
                 return
-        if self.narrow and fmt in NARROWER and "pattern" not in s and (
+        if self.narrow and fmt in NARROWER and self.may_add_pattern(s) and (
                 self.backend in _LENGTHS_WITH_PATTERN or not ("minLength" in s or "maxLength" in s)):
             s.pop("format")
-            s["pattern"] = f"^{NARROWER[fmt]}$"
-            self.note(ptr, f"format {fmt!r} as the pattern {s['pattern']!r}")
+            self.add_pattern(s, f"^{NARROWER[fmt]}$")
+            self.note(ptr, f"format {fmt!r} as the pattern {'^' + NARROWER[fmt] + '$'!r}")
             return
-        if fmt not in EXACT or "pattern" in s:
+        if fmt not in EXACT or not self.may_add_pattern(s):
             return
         pattern, max_length = EXACT[fmt]
         if max_length is not None and self.backend not in _LENGTHS_WITH_PATTERN:
             return
         s.pop("format")
-        s["pattern"] = f"^{pattern}$"
+        self.add_pattern(s, f"^{pattern}$")
         if max_length is not None:
             s["maxLength"] = min(max_length, s.get("maxLength", max_length))
+
+    def may_add_pattern(self, s: dict) -> bool:
+        return "pattern" not in s or self.backend in _PATTERNS_INTERSECTED
+
+    def add_pattern(self, s: dict, pattern: str) -> None:
+        """`pattern` beside the one `s` may have: both must match (an allOf of patterns, which llguidance
+        intersects)."""
+        if "pattern" not in s or s["pattern"] == pattern:
+            s["pattern"] = pattern
+        else:
+            s.setdefault("allOf", []).append({"pattern": pattern})
 
     def enforceable(self, fmt: str, s: dict) -> bool:
         """The backend enforces `fmt` natively or as formats.EXACT's pattern, beside what `s` has."""
         if fmt in _FORMATS[self.backend]:
             return True
-        return fmt in EXACT and "pattern" not in s and (
+        return fmt in EXACT and self.may_add_pattern(s) and (
             self.backend in _LENGTHS_WITH_PATTERN or (EXACT[fmt][1] is None and not ("minLength" in s or "maxLength" in s)))
 
     def required_into_properties(self, s: dict, ptr: str) -> None:
@@ -348,12 +513,46 @@ class _Walker:
             return
         extra = s.get("additionalProperties", True)
         for key in missing:
-            if any(re.search(p, key) for p in s.get("patternProperties") or {}):
-                self.bad(f"{ptr}/required", f"required name {key!r} matched by patternProperties")
+            matched = [sub for p, sub in (s.get("patternProperties") or {}).items() if _search(p, key)]
+            if matched:  # every pattern that matches the name applies to its value (and additionalProperties not)
+                merged = copy.deepcopy(matched[0])
+                for sub in matched[1:]:
+                    merged = _both(merged, copy.deepcopy(sub))
+                s.setdefault("properties", {})[key] = merged
             elif extra is False:
                 self.bad(f"{ptr}/required", f"required name {key!r} that additionalProperties forbids")
             else:
                 s.setdefault("properties", {})[key] = {} if extra is True else copy.deepcopy(extra)
+
+    def clamp_bounds(self, s: dict, ptr: str) -> None:
+        """Numeric bounds at 64-bit's edge (Java's Long.MIN_VALUE) within +-2**62: llguidance cannot build
+        the range's regex beyond (measured: -2**63 fails, -2**62 compiles)."""
+        for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+            value = s.get(key)
+            if _is_number(value) and abs(value) > _LLG_BOUND:
+                s[key] = _LLG_BOUND if value > 0 else -_LLG_BOUND
+                if (value > 0) == (key in _LOWER):  # a bound raised or lowered past it: nothing is left between
+                    s[key] = value
+                else:
+                    self.note(ptr, f"{key} {value} as {s[key]}")
+
+    def values_of_type(self, s: dict) -> None:
+        """`enum`/`const` beside `type` keep only the values of that type (a backend may write the others:
+        measured, xgrammar wrote "code" for `{"type": "array", "enum": ["code"]}`). None left: no value."""
+        if "const" in s and isinstance(s.get("enum"), list):  # both (an allOf merged): the const, if listed
+            const = json.dumps(s.pop("const"), sort_keys=True)
+            s["enum"] = [v for v in s["enum"] if json.dumps(v, sort_keys=True) == const]
+        if "type" not in s or not ("enum" in s or "const" in s):
+            return
+        allowed = {s["type"]} if isinstance(s["type"], str) else set(s["type"])
+        if "number" in allowed:
+            allowed.add("integer")
+        of_type = lambda v: _type_of(v) in allowed or (_type_of(v) == "integer" and "number" in allowed)  # noqa: E731
+        if "const" in s and not of_type(s["const"]):
+            s.pop("const")
+            s["enum"] = []
+        if isinstance(s.get("enum"), list):
+            s["enum"] = [v for v in s["enum"] if of_type(v)]
 
     def infer_type(self, s: dict, ptr: str) -> None:
         """Type keywords apply only to their type: `{"minLength": 2}` also admits 5. Backends
@@ -407,6 +606,8 @@ class _Walker:
                     s.setdefault("properties", {})[name] = False
                     self.note(ptr, f"{key} of {name!r} as {name!r} absent")
             s["required"] = list(dict.fromkeys(required))
+        if "contains" in s or "minContains" in s or "maxContains" in s:
+            self.narrow_contains(s, ptr)
         if isinstance(s.get("not"), dict):
             self.narrow_not(s)
             if "not" not in s:
@@ -417,6 +618,35 @@ class _Walker:
                 self.note(ptr, "propertyNames as the properties it admits")
         if ("minProperties" in s or "maxProperties" in s) and self.backend == "llguidance":
             self.narrow_counts(s, ptr)
+
+    def narrow_contains(self, s: dict, ptr: str | None) -> None:
+        """`contains` (at least minContains items match, at most maxContains) as its matches first: the
+        first minContains items match it too, and with maxContains no more items than that."""
+        least, most = s.get("minContains", 1), s.get("maxContains")
+        if "contains" not in s:  # min/maxContains without contains have no effect
+            s.pop("minContains", None)
+            s.pop("maxContains", None)
+            return
+        if not isinstance(least, int) or not (most is None or isinstance(most, int)) or least < 0 \
+                or (most is not None and (most < least or s.get("minItems", 0) > most)) \
+                or s.get("maxItems", least) < least:
+            return  # refused by name (or no array satisfies it)
+        contains, items = s.pop("contains"), s.get("items", True)
+        s.pop("minContains", None)
+        s.pop("maxContains", None)
+        prefix = list(s.get("prefixItems") or [])
+        for i in range(least):
+            match = _both(copy.deepcopy(prefix[i] if i < len(prefix) else items), copy.deepcopy(contains))
+            if i < len(prefix):
+                prefix[i] = match
+            else:
+                prefix.append(match)
+        if prefix:
+            s["prefixItems"] = prefix
+        s["minItems"] = max(s.get("minItems", 0), least)
+        if most is not None:
+            s["maxItems"] = min(s.get("maxItems", most), most)
+        self.note(ptr, "contains as the first items matching it")
 
     def names_as_properties(self, s: dict) -> None:
         """`propertyNames` of an enum, a pattern, lengths or a narrowed format as the properties or
@@ -680,6 +910,8 @@ class _Walker:
                     continue
                 part, where = target, part["$ref"]
             part = copy.deepcopy(part)
+            if not self.own_unevaluated(part, where):
+                continue
             self.infer_type(part, where)
             self.if_then_else(part, where, context=s)
             if self.narrow:
@@ -702,6 +934,9 @@ class _Walker:
                     self.bad(where, "'allOf' whose parts list different properties beside patternProperties")
                     return
                 closer.setdefault("properties", {})[name] = copy.deepcopy(extra)
+        for x, y in ((s, part), (part, s)):  # x's items (without a prefix) apply to y's prefix positions too
+            if "prefixItems" in y and "prefixItems" not in x and "items" in x and isinstance(y["prefixItems"], list):
+                y["prefixItems"] = [_both(p, copy.deepcopy(x["items"])) for p in y["prefixItems"]]
         for key, value in part.items():
             if key not in _ASSERTING:
                 continue
@@ -714,6 +949,11 @@ class _Walker:
                 merged = merged if 0 < len(merged) <= 32 else _CLASH
             else:
                 merged = _merge_keyword(key, s[key], value)
+            if key == "pattern" and self.may_add_pattern(s):
+                self.add_pattern(s, value)
+                continue
+            if merged is _CLASH and key in ("type", "enum", "const"):
+                return _make_impossible(s)  # no value is of both types or both values: the parts clash
             if merged is _CLASH:
                 self.bad(where, f"'allOf' whose parts both constrain {key!r}")
             else:
@@ -757,6 +997,7 @@ class _Walker:
 
     def pair_disjoint(self, a: Any, b: Any, depth: int = 0, ra: Any = None, rb: Any = None) -> bool:
         """No instance is valid for both (a resolved in `ra`, b in `rb`: None the rewritten schema)."""
+        a, b = self.flattened(a, {}, ra), self.flattened(b, {}, rb)  # an allOf as one schema, where it merges
         a, b = self.deref(a, ra), self.deref(b, rb)
         if a is False or b is False:
             return True
@@ -765,11 +1006,16 @@ class _Walker:
         if not (isinstance(a, dict) and isinstance(b, dict)):
             return False
         for x, y in ((a, b), (b, a)):  # the values one pins, each checked against the other
-            values = _values(x)
+            values = self.pinned(x)
             if values is not None and not any(self.admits(y, json.loads(v)) for v in values):
                 return True
         if depth >= 4:  # recursive schemas: stop looking
             return False
+        for x, rx, y, ry in ((a, ra, b, rb), (b, rb, a, ra)):  # every instance of x is in one of its branches
+            branches = x.get("anyOf") or x.get("oneOf")
+            if isinstance(branches, list) and branches and len(branches) <= 64 and all(
+                    self.pair_disjoint(branch, y, depth + 1, rx, ry) for branch in branches):
+                return True
         for x, rx, y, ry in ((a, ra, b, rb), (b, rb, a, ra)):
             for key in x.get("required") or []:
                 xp, yp = (x.get("properties") or {}).get(key), (y.get("properties") or {}).get(key)
@@ -843,6 +1089,18 @@ class _Walker:
 
 
 _CLASH = object()
+# in-place applicators whose evaluated names or items the unevaluated* rewrites do not follow
+_UNEVALUATED_BLOCKERS = {"$ref", "allOf", "if", "then", "else", "dependentSchemas", "not", "$dynamicRef",
+                         "$recursiveRef"}
+_LLG_BOUND = 2 ** 62
+_NOT_MERGED_INTO_BRANCHES = {"anyOf", "oneOf", "allOf", "if", "then", "else", "not", "$ref"}
+
+
+def _make_impossible(s: dict) -> None:
+    """`s` (in place, its definitions kept for references into it) as a schema no value satisfies."""
+    for key in [k for k in s if k in _ASSERTING]:
+        del s[key]
+    s["enum"] = []
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
            "maxContains")
 _LOWER = {"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains"}
@@ -920,6 +1178,13 @@ def _required_names(s: Any) -> list[str] | None:
             "object", ["object"]) or not isinstance(s["required"], list):
         return None
     return list(s["required"]) or None
+
+
+def _search(pattern: str, name: str) -> bool:
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:  # an ECMA-only construct: a pattern Python cannot read matches nothing here
+        return False
 
 
 def _is_number(v: Any) -> bool:

@@ -30,6 +30,11 @@ class AbortReq(msgspec.Struct, frozen=True, tag=True):
     rid: str
 
 
+# the finish messages of a constrained request cut at its budget: closed (complete, cut short) or not
+GRAMMAR_CLOSED = "max_new_tokens was near: the grammar was closed early, so the output is complete but cut short"
+GRAMMAR_CUT = "max_new_tokens (or the context length) was reached before the grammar's end was generated"
+
+
 class FinishReason(msgspec.Struct, frozen=True):
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from plait.runtime.managers.io_struct import GRAMMAR_CLOSED, FinishReason
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 _ACCEPT_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
@@ -38,6 +40,10 @@ class Metrics:
         self.requests = counter("num_requests", "Requests finished")
         self._grammar = Counter("plait:grammar_requests", "Constrained requests finished, by the grammar backend "
                                 "that compiled them", labels + ["backend"], registry=r)
+        self._grammar_outcomes = Counter(
+            "plait:grammar_outcomes", "Constrained requests finished, by outcome: complete (the grammar's end), "
+            "closed (completed early as the token budget ran low), cut (the budget ran out first), aborted",
+            labels + ["outcome"], registry=r)
         self._model_name = model_name
         self.spec_verifies = counter("spec_verify_ct", "Forwards that verified a speculative draft (per request)")
         self.spec_drafted = counter("spec_draft_tokens", "Speculative draft tokens verified")
@@ -74,6 +80,7 @@ class Metrics:
         self.requests.inc()
         if st.grammar_backend is not None:
             self._grammar.labels(self._model_name, st.grammar_backend).inc()
+            self._grammar_outcomes.labels(self._model_name, grammar_outcome(st.finish)).inc()
         verifies, drafted, accepted = st.spec
         if verifies:
             self.spec_verifies.inc(verifies)
@@ -90,3 +97,12 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def grammar_outcome(finish: FinishReason | None) -> str:
+    """How a constrained request ended: complete, closed, cut or aborted."""
+    if finish is None or finish.type == "abort":
+        return "aborted"
+    if finish.type == "length":
+        return "closed" if finish.message == GRAMMAR_CLOSED else "cut"
+    return "complete"

@@ -29,14 +29,18 @@ from plait.runtime.constrained.closing import CLOSE_WINDOW, ClosingMatcher, Clos
 from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
 from plait.runtime.constrained.jump_forward import accepted_prefix, allowed_prefix, plan_draft
 from plait.runtime.constrained.schema_policy import rewrite_schema
-from plait.runtime.managers.io_struct import FinishReason
+from plait.runtime.managers.io_struct import GRAMMAR_CLOSED, GRAMMAR_CUT, FinishReason
 from plait.runtime.sampling import SampleRow, sample
 from plait.runtime.scheduler.req import Req
 from plait.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-_REPLAN_SLACK = 4  # a planned completion is searched again once the tokens left come within this of it
+_RETRY_EVERY = 4  # tokens between searches while none has found a completion that fits
+# the closing matcher takes over once the tokens left are within twice the longest plan seen (and this
+# margin): one token can lengthen the completion by as much as a plan has needed (`}, {` opens another item
+# of an array, a tool's name picks a call whose arguments need more than the budget has)
+_CLOSE_MARGIN = 4
 
 # bitmask rows of one step: (bitmask, {id(req): first row}); a drafting request has 1 + len(draft) rows
 Masks = tuple[torch.Tensor, dict[int, int]]
@@ -230,11 +234,9 @@ class GrammarManager:
                 self.close_search_s += req.grammar.search_s
             if isinstance(req.grammar, ClosingMatcher) and req.grammar.cut:
                 self.closed += 1
-                req.finish = FinishReason("length", message=(
-                    "max_new_tokens was near: the grammar was closed early, so the output is complete but cut short"))
+                req.finish = FinishReason("length", message=GRAMMAR_CLOSED)
             elif req.finish.type == "length":
-                req.finish = FinishReason("length", message=(
-                    "max_new_tokens (or the context length) was reached before the grammar's end was generated"))
+                req.finish = FinishReason("length", message=GRAMMAR_CUT)
             return
         left = min(req.params.max_new_tokens - req.output_len, context_length - req.seq_len)
         reserve = self._close_if_due(req, left)
@@ -248,29 +250,33 @@ class GrammarManager:
             req.set_draft(draft, forced=True)
 
     def _close_if_due(self, req: Req, left: int) -> int:
-        """Within CLOSE_WINDOW tokens of the budget, plan the grammar's completion; once the tokens left
-        only just hold it and the end, the request's matcher becomes a ClosingMatcher (the model writes on
-        only while a completion still fits). Returns the tokens a draft must leave for the plan."""
+        """Within CLOSE_WINDOW tokens of the budget, keep a planned completion of the grammar: the last one
+        while it still takes the grammar to its end, else a new search (every few tokens while none fits).
+        Once the tokens left come within twice the longest plan yet, the request's matcher
+        becomes a ClosingMatcher (the model writes on only while a completion still fits). Returns the
+        tokens a draft must leave."""
         if self._close_vocab is None or isinstance(req.grammar, ClosingMatcher) or left > CLOSE_WINDOW:
             return 0
         last = req.close_plan
-        if last is not None and left > len(last) + _REPLAN_SLACK:
-            return len(last) + 1  # the last plan still fits with room to spare: no new search yet
-        text = self.tokenizer.decode(req.output_ids)
         start = time.perf_counter()
         if last is not None and len(last) <= left - 2 and still_holds(req.grammar, last, self._close_vocab):
             plan = last  # the model wrote on inside what the plan closes: no new search
+        elif last is None and req.close_retry_left is not None and left > req.close_retry_left:
+            return 0  # nothing fitted a few tokens ago: not searched again yet
         else:
-            plan = plan_close(req.grammar, self._close_vocab, text, left - 2)
+            plan = plan_close(req.grammar, self._close_vocab, self.tokenizer.decode(req.output_ids), left - 2)
             self.close_searches += 1
+            req.close_retry_left = left - _RETRY_EVERY if plan is None else None
         self.close_search_s += time.perf_counter() - start
-        req.close_plan = plan  # None: nothing fits yet (the next token may be on the way): searched next step
+        req.close_plan = plan
         if plan is None:
             return 0
-        if left <= len(plan) + 2:  # the plan, the end of sequence, and one token to spare
-            req.grammar = ClosingMatcher(req.grammar, plan, self._close_vocab, text, left)
+        req.close_longest = max(req.close_longest, len(plan))
+        if left <= 2 * req.close_longest + _CLOSE_MARGIN:
+            req.grammar = ClosingMatcher(req.grammar, plan, self._close_vocab, self.tokenizer.decode(req.output_ids),
+                                         left)
             return 0
-        return len(plan) + 1
+        return req.close_longest + 1
 
     def pick_verified(self, req: Req, rows: torch.Tensor, masks: Masks | None) -> tuple[int, int, bool]:
         """The model's constrained picks over a draft (rows: logits at the last sampled token and at each

@@ -38,6 +38,8 @@ class Req:
         self.grammar_backend: str | None = None  # the backend that compiled it (auto picks per request)
         self.grammar_narrowed: list[str] = []  # how its JSON schema was narrowed (schema_policy.py)
         self.close_plan: list[int] | None = None  # the grammar's last planned completion (closing.py)
+        self.close_retry_left: int | None = None  # with no plan: search again once the tokens left fall to this
+        self.close_longest = 0  # the longest plan so far: how much one token may lengthen the completion
         self.draft: list[int] = []  # drafted tokens at the end of output_ids, not yet verified
         # leading draft tokens that are the grammar's forced text (jump-forward); the rest are speculative guesses
         self.draft_forced = 0
