@@ -19,7 +19,8 @@ MAX_DRAFT = 32
 
 def plan_draft(matcher: Matcher, tokenizer, room: int) -> list[int]:
     """Token ids of the grammar's forced continuation (at most `room`), checked against the
-    matcher, which is left unchanged. [] when there is nothing forced."""
+    matcher, which is left unchanged. [] when there is nothing forced. A token that ends the grammar
+    is left to the model's own pick after the draft, so a request ends on the same token either way."""
     if room <= 0:
         return []
     ids = matcher.forced_tokens()
@@ -29,7 +30,7 @@ def plan_draft(matcher: Matcher, tokenizer, room: int) -> list[int]:
             return []
         ids = tokenizer.encode(forced, add_special_tokens=False)
     ids = ids[: min(room, MAX_DRAFT)]
-    return ids[: allowed_prefix(matcher, ids)]
+    return ids[: allowed_prefix(matcher, ids, before_end=True)]
 
 
 def allowed_prefix(matcher: Matcher, ids: list[int], before_end: bool = False) -> int:

@@ -44,6 +44,7 @@ import re
 from typing import Any
 
 from plait.runtime.constrained.base import GrammarError
+from plait.runtime.constrained.closed_objects import close_objects
 from plait.runtime.constrained.formats import EXACT, NARROWER, SUBFORMAT
 
 # keywords with no effect on validity
@@ -130,6 +131,7 @@ def rewrite_schema(schema: Any, backend: str, narrow: bool = True) -> tuple[dict
     if walker.problems:
         shown = "; ".join(walker.problems[:8]) + (f"; and {len(walker.problems) - 8} more" if len(walker.problems) > 8 else "")
         raise GrammarError(f"json_schema uses what the {backend} backend cannot enforce: {shown}")
+    close_objects(schema)
     return schema, list(dict.fromkeys(walker.narrowed))
 
 
