@@ -67,7 +67,8 @@ test-frameworks: setup $(FW_STAMP)
 	PLAIT_SERVER_PYTHON=$(abspath $(PY)) PLAIT_TEST_THREADS=1 PYTHONPATH=tests \
 		$(FW_VENV)/bin/python -m pytest -q -p no:cacheprovider --confcutdir=tests/frameworks tests/frameworks
 
-# load with disconnects and aborts, a tiny KV pool, killed children, SIGTERM, a 20-minute memory soak
+# load with disconnects and aborts, a tiny KV pool, killed children, signals (alone and to the group), slow
+# clients, a 20-minute memory soak with RSS per process
 # (about 45 minutes in all on 2 cores; SOAK_MINUTES=2 for a short one)
 SOAK_MINUTES ?= 20
 test-reliability: setup

@@ -171,6 +171,12 @@ class ServerArgs:
         "elsewhere cannot drive the server")
     shutdown_timeout: float = _arg(30.0, "on SIGTERM, seconds in-flight requests may take to finish before they are "
                                          "ended with an error")
+    header_timeout: float = _arg(10.0, "seconds a client has to send a request's headers (from its first byte, or "
+                                       "from connecting); later gets 408 and the connection closed")
+    body_timeout: float = _arg(60.0, "seconds a client has to send a request's body once its headers are in; later "
+                                     "gets 408 and the connection closed")
+    keep_alive_timeout: float = _arg(5.0, "seconds an idle keep-alive connection stays open between requests")
+    max_connections: int = _arg(1000, "open HTTP connections at once; one more gets 503 and is closed")
     served_model_name: str | None = _arg(None, "model name in the OpenAI API; default: the model file's name")
     max_queued_requests: int = _arg(-1, "requests allowed to wait beyond max_running_requests; more get 429 (-1: no limit)")
     max_request_bytes: int = _arg(32 * 2**20, "largest accepted HTTP request body; larger get 413")
@@ -245,6 +251,11 @@ class ServerArgs:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_top_logprobs < 0:
             raise ValueError(f"max_top_logprobs must be >= 0, got {self.max_top_logprobs}")
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.num_threads < 0:

@@ -8,11 +8,14 @@ port and prints its figures:
            greedy outputs equal a roomy server's (float32);
 - kill:    SIGKILL the scheduler, then (another server) the detokenizer, with requests in flight:
            when every in-flight request ended, when the server exited and with what code;
-- sigterm: SIGTERM with requests in flight: they finish, exit code 0;
+- signals: SIGTERM to the server, SIGINT and SIGTERM to its process group, 16 requests in flight each
+           time: they finish, exit code 0;
+- slow-clients: 200 idle, slow-header and slow-body connections beside normal requests: each answered
+           408 and closed within its timeout, the others served;
 - soak:    steady load for M minutes, the scheduler's resident memory sampled every 10 s: the curve
            and its slope over the part after the KV pool filled.
 
-    python tests/reliability.py [--phases load,tiny-kv,kill,sigterm,soak] [--requests 2000]
+    python tests/reliability.py [--phases load,tiny-kv,kill,signals,slow-clients,soak] [--requests 2000]
         [--concurrency 64] [--soak-minutes 20] [--threads 2]
 """
 
@@ -265,25 +268,98 @@ def phase_kill(a) -> bool:
     return ok
 
 
-def phase_sigterm(a) -> bool:
-    srv = Server("--max-total-tokens", "8192", "--num-threads", str(a.threads), "--shutdown-timeout", "60")
+def phase_signals(a) -> bool:
+    """SIGTERM to the server alone, then SIGINT and SIGTERM to its whole process group (Ctrl+C, `timeout`,
+    `systemctl stop`), each with 16 requests in flight: all complete, exit 0."""
+    ok = True
+    for sig, group in ((signal.SIGTERM, False), (signal.SIGINT, True), (signal.SIGTERM, True)):
+        srv = Server("--max-total-tokens", "8192", "--num-threads", str(a.threads), "--shutdown-timeout", "60")
 
-    async def inflight():
-        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
-            tasks = [asyncio.ensure_future(client.post("/generate", json={
-                "text": PROMPTS[i], "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}})) for i in range(8)]
-            await asyncio.sleep(1.0)
-            srv.proc.send_signal(signal.SIGTERM)
-            return await asyncio.gather(*tasks, return_exceptions=True)
+        async def inflight():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
+                tasks = [asyncio.ensure_future(client.post("/generate", json={
+                    "text": PROMPTS[i % len(PROMPTS)], "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}}))
+                    for i in range(16)]
+                await asyncio.sleep(1.0)
+                if group:
+                    os.killpg(srv.proc.pid, sig)
+                else:
+                    srv.proc.send_signal(sig)
+                return await asyncio.gather(*tasks, return_exceptions=True)
 
-    t = time.perf_counter()
-    results = asyncio.run(inflight())
-    code = srv.proc.wait(90)
-    done = sum(1 for r in results if isinstance(r, httpx.Response) and r.status_code == 200
-               and r.json()["meta_info"]["completion_tokens"] == 48)
-    print(f"sigterm: {done}/8 in-flight requests completed in full; exit code {code} after "
-          f"{time.perf_counter() - t:.1f} s")
-    return done == 8 and code == 0
+        t = time.perf_counter()
+        results = asyncio.run(inflight())
+        code = srv.proc.wait(90)
+        done = sum(1 for r in results if isinstance(r, httpx.Response) and r.status_code == 200
+                   and r.json()["meta_info"]["completion_tokens"] == 48)
+        to = "the process group" if group else "the server alone"
+        print(f"signals: {signal.Signals(sig).name} to {to}: {done}/16 in-flight requests completed in full; "
+              f"exit code {code} after {time.perf_counter() - t:.1f} s")
+        ok &= done == 16 and code == 0
+    return ok
+
+
+async def _slow_connection(port: int, kind: str, body: bytes) -> tuple[float, bytes]:
+    """A connection that sends nothing (idle), its headers or its body a byte every 0.5 s: (seconds until the
+    server closed it, what it answered)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    start = time.perf_counter()
+    head = (f"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode()
+    if kind == "body":
+        writer.write(head)
+    trickle = {"headers": head, "body": body}.get(kind, b"")
+
+    async def send_slowly():
+        for i in range(len(trickle)):
+            writer.write(trickle[i : i + 1])
+            await asyncio.sleep(0.5)
+
+    sender = asyncio.ensure_future(send_slowly())
+    answer = b""
+    try:
+        while chunk := await asyncio.wait_for(reader.read(4096), 120):
+            answer += chunk
+    except (ConnectionError, asyncio.TimeoutError):
+        pass
+    sender.cancel()
+    writer.close()
+    return time.perf_counter() - start, answer
+
+
+def phase_slow_clients(a) -> bool:
+    """200 connections held open by slow or idle clients (70 idle, 65 slow headers, 65 slow bodies) with the
+    default timeouts, while normal requests go on: each slow one gets a 408 and is closed within its timeout."""
+    srv = Server("--max-total-tokens", "8192", "--num-threads", str(a.threads))
+    body = b'{"text": "hi", "sampling_params": {"max_new_tokens": 2}}'
+    kinds = ["idle"] * 70 + ["headers"] * 65 + ["body"] * 65
+    limits = {"idle": 10.0, "headers": 10.0, "body": 60.0}  # --header-timeout, --body-timeout (defaults)
+
+    async def run():
+        held = [asyncio.ensure_future(_slow_connection(srv.port, kind, body)) for kind in kinds]
+        served, latencies = [], []
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+            while not all(h.done() for h in held):
+                t = time.perf_counter()
+                r = await client.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 8}})
+                served.append(r.status_code)
+                latencies.append(time.perf_counter() - t)
+                await asyncio.sleep(0.5)
+        return await asyncio.gather(*held), served, latencies
+
+    results, served, latencies = asyncio.run(run())
+    code = srv.stop()
+    ok = served and all(c == 200 for c in served) and code == 0
+    for kind in ("idle", "headers", "body"):
+        mine = [r for k, r in zip(kinds, results) if k == kind]
+        closed_408 = sum(1 for _, ans in mine if ans.startswith(b"HTTP/1.1 408"))
+        worst = max(sec for sec, _ in mine)
+        print(f"slow-clients: {len(mine)} {kind}: {closed_408} answered 408 and closed; the last after {worst:.1f} s "
+              f"(timeout {limits[kind]:g} s)")
+        ok &= closed_408 == len(mine) and worst < limits[kind] + 2
+    print(f"slow-clients: {len(served)} normal requests meanwhile, all 200: {all(c == 200 for c in served)}; "
+          f"latency max {max(latencies):.2f} s; exit {code}")
+    return ok
 
 
 def _rss_mib(pid: int) -> float:
@@ -296,8 +372,9 @@ def _rss_mib(pid: int) -> float:
 
 def phase_soak(a) -> bool:
     srv = Server("--max-total-tokens", "16384", "--num-threads", str(a.threads))
-    pids = httpx.get(srv.url + "/server_info").json()["pids"]
-    samples: list[tuple[float, float, float]] = []
+    pids = httpx.get(srv.url + "/server_info").json()["pids"]  # every process: server, scheduler, detokenizer
+    names = sorted(pids, key=lambda n: (n != "server", n))
+    samples: list[tuple[float, dict[str, float]]] = []
     stop_at = time.perf_counter() + a.soak_minutes * 60
 
     async def soak():
@@ -313,7 +390,7 @@ def phase_soak(a) -> bool:
             async def sampler():
                 t0 = time.perf_counter()
                 while time.perf_counter() < stop_at:
-                    samples.append((time.perf_counter() - t0, _rss_mib(pids["scheduler"]), _rss_mib(pids["server"])))
+                    samples.append((time.perf_counter() - t0, {n: _rss_mib(pids[n]) for n in names}))
                     await asyncio.sleep(10)
 
             t0 = time.perf_counter()
@@ -325,15 +402,15 @@ def phase_soak(a) -> bool:
     report = asyncio.run(soak())
     code = srv.stop()
     print(f"soak: {a.soak_minutes:g} min at 16 concurrent: {report.summary()}; exit {code}")
-    print("soak: minute  scheduler RSS MiB  server RSS MiB")
-    for t, sched, server in samples[:: max(1, len(samples) // 40)]:
-        print(f"soak: {t / 60:6.1f}  {sched:17.1f}  {server:14.1f}")
+    print("soak: minute  " + "  ".join(f"{n} RSS MiB" for n in names))
+    for t, rss in samples[:: max(1, len(samples) // 40)]:
+        print(f"soak: {t / 60:6.1f}  " + "  ".join(f"{rss[n]:{len(n) + 8}.1f}" for n in names))
     tail = samples[len(samples) // 4:]  # after the KV pool and caches filled
-    slope = _slope([(t / 60, s) for t, s, _ in tail])
-    server_slope = _slope([(t / 60, s) for t, _, s in tail])
-    print(f"soak: scheduler RSS slope {slope:+.2f} MiB/min, server {server_slope:+.2f} MiB/min over the last "
-          f"{(tail[-1][0] - tail[0][0]) / 60 if len(tail) > 1 else 0:.1f} min")
-    return report.ok and abs(slope) < 1.0 and abs(server_slope) < 1.0
+    slopes = {n: _slope([(t / 60, rss[n]) for t, rss in tail]) for n in names}
+    span = (tail[-1][0] - tail[0][0]) / 60 if len(tail) > 1 else 0
+    print(f"soak: RSS slope over the last {span:.1f} min: "
+          + ", ".join(f"{n} {v:+.2f} MiB/min" for n, v in slopes.items()))
+    return report.ok and all(abs(v) < 1.0 for v in slopes.values())
 
 
 def _slope(points: list[tuple[float, float]]) -> float:
@@ -346,8 +423,8 @@ def _slope(points: list[tuple[float, float]]) -> float:
     return sum((x - mx) * (y - my) for x, y in points) / den if den else 0.0
 
 
-PHASES = {"load": phase_load, "tiny-kv": phase_tiny_kv, "kill": phase_kill, "sigterm": phase_sigterm,
-          "soak": phase_soak}
+PHASES = {"load": phase_load, "tiny-kv": phase_tiny_kv, "kill": phase_kill, "signals": phase_signals,
+          "slow-clients": phase_slow_clients, "soak": phase_soak}
 
 
 def main() -> int:

@@ -21,6 +21,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# the server dies with the test process, even one killed by SIGKILL (PR_SET_PDEATHSIG survives the exec)
+_DIE_WITH_TEST = ("import ctypes, os, signal, sys; ctypes.CDLL('libc.so.6').prctl(1, signal.SIGKILL); "
+                  "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
 class Server:
     def __init__(self, *flags: str, api_key: str | None = None, timeout: float = 180):
         self.port = free_port()
@@ -28,13 +33,14 @@ class Server:
         self.api_key = api_key
         # the framework tests run in a venv of their own and start the server with plait's (tests/frameworks)
         python = os.environ.get("PLAIT_SERVER_PYTHON", sys.executable)
-        cmd = [python, "-m", "plait.launch_server", "--port", str(self.port), "--num-threads", str(THREADS),
-               "--log-level", "warning", *flags]
+        cmd = [python, "-c", _DIE_WITH_TEST, "-m", "plait.launch_server", "--port", str(self.port),
+               "--num-threads", str(THREADS), "--log-level", "warning", *flags]
         if api_key:
             cmd += ["--api-key", api_key]
         # the log goes to a file: a pipe nobody reads fills up (64 KiB of tracebacks) and blocks the server
         self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        # a process group of its own, as a server run from a shell has: a group signal reaches it alone
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -60,9 +66,13 @@ class Server:
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=kw.pop("timeout", 300), **kw)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60, group: bool = False) -> int:
+        """Signal the server (with `group`, its whole process group, as Ctrl+C or systemd would); its exit code."""
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

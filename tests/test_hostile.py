@@ -156,6 +156,11 @@ def test_grammar_edge_cases(http):
     r = http.post("/generate", json={"text": "Go:", "sampling_params": {
         "max_new_tokens": 4, "ebnf": "root ::= " + " ".join(['"a"?'] * 5000)}})
     assert r.status_code == 400 and "did not compile within" in r.json()["error"]["message"], r.text
+    # one whose first mask llguidance computes, but whose first token takes it past its limits: a 400 naming
+    # the limit (its matcher once refused the token its own mask allowed, and the request ended as an abort)
+    r = http.post("/generate", json={"text": "Pick:", "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0, "ebnf": "root ::= " + " ".join(f'"x{i}"?' for i in range(5000))}})
+    assert r.status_code == 400 and "llguidance" in r.json()["error"]["message"], r.text
     out = one({"regex": "[0-9]{3}", "max_new_tokens": 8})
     assert re.fullmatch("[0-9]{3}", out["text"]), out
     assert http.get("/health").status_code == 200

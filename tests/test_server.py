@@ -311,6 +311,41 @@ def test_bad_input_gets_4xx_while_others_stream(server, http, path, body, status
     assert rest[-1] == "[DONE]" and rest[-2]["meta_info"]["completion_tokens"] == 24
 
 
+USER = [{"role": "user", "content": "x"}]
+POLICY_CASES = [  # one policy on every route: unknown fields named, combinations that cannot hold refused
+    ("/v1/chat/completions", {"messages": USER, "bogus_field": 1}, "bogus_field"),
+    ("/v1/chat/completions", {"messages": USER, "chat_template": "{{ 1/0 }}"}, "chat_template"),
+    ("/v1/completions", {"prompt": "hi", "bogus_field": 1}, "bogus_field"),
+    ("/v1/responses", {"input": "hi", "bogus_field": 1}, "bogus_field"),
+    ("/abort_request", {"rid": "r", "bogus_field": 1}, "bogus_field"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "bogus_field": 1}]}, "bogus_field"),
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, "content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}, "content"),
+    ("/v1/chat/completions", {"messages": USER, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": USER, "min_tokens": 10, "max_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 20}, "min_tokens"),  # max_tokens defaults to 16
+    ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+    ("/generate", {"input_ids": [1] * 8100, "sampling_params": {"max_new_tokens": 200}}, "context length"),
+]
+
+
+def test_every_route_refuses_unknown_fields_and_impossible_combinations(http):
+    for path, body, words in POLICY_CASES:
+        r = http.post(path, json=body)
+        assert r.status_code == 400, (path, body if len(str(body)) < 300 else words, r.text)
+        err = r.json()["error"]
+        assert words in err["message"] and err["code"] == 400, (path, err)
+    # fields OpenAI's clients send that change nothing are accepted; a returned message goes back as history
+    ok = http.post("/v1/chat/completions", json={
+        "messages": [*USER, {"role": "assistant", "content": "y", "refusal": None, "annotations": []}, *USER],
+        "max_tokens": 2, "metadata": {"k": "v"}, "store": False, "service_tier": "auto"})
+    assert ok.status_code == 200, ok.text
+    # an echoed value is cut short: a huge model name gets a small 404
+    r = http.post("/v1/chat/completions", json={"model": "m" * 1_000_000, "messages": USER})
+    assert r.status_code == 404 and len(r.content) < 1000
+
+
 def test_auth_body_limit_and_queue_limit(server, http):
     assert httpx.post(server.url + "/generate", json={"text": "hi"}).status_code == 401
     r = httpx.post(server.url + "/generate", json={"text": "hi"}, headers={"Authorization": "Bearer wrong"})

@@ -32,7 +32,11 @@ class LLGuidanceMatcher(Matcher):
                 self._eos_taken = True
                 return True
             return False
-        return self._m.try_consume_tokens([token]) == 1
+        if self._m.try_consume_tokens([token]) == 1:
+            return True
+        if self._m.is_error():  # a limit of llguidance's that this token ran into (its mask allowed the token)
+            raise GrammarError(f"llguidance: {_first_line(self._m.get_error())}")
+        return False
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         target = bitmask[row]

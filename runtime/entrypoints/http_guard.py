@@ -29,7 +29,18 @@ class BodyError(ValueError):
         self.status = status
 
 
+MAX_SHOWN = 80  # characters of a client's value an error message repeats
+_MAX_MESSAGE = 2000  # characters of any error message: none repeats a huge value whole
+
+
+def shown(value: str) -> str:
+    """A client's value as an error message repeats it: at most MAX_SHOWN characters."""
+    return value if len(value) <= MAX_SHOWN else f"{value[:MAX_SHOWN]}... ({len(value)} characters)"
+
+
 def error_body(status: int, message: str, type_: str | None = None) -> dict:
+    if len(message) > _MAX_MESSAGE:
+        message = message[:_MAX_MESSAGE] + f"... ({len(message)} characters)"
     type_ = type_ or {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                       404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
                       429: "rate_limit_error"}.get(status, "server_error")

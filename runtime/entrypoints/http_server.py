@@ -22,7 +22,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from plait.runtime.entrypoints.http_guard import BodyError, Guard, error_body, parse_json_body
+from plait.runtime.entrypoints.connections import ConnectionLimits, guarded_protocol
+from plait.runtime.entrypoints.http_guard import BodyError, Guard, error_body, parse_json_body, shown
 from plait.runtime.managers.launcher import RuntimeProcesses
 from plait.runtime.managers.limits import MAX_JOIN_ID_CHARS, MAX_KV_JOINS
 from plait.runtime.server_args import ServerArgs
@@ -56,7 +57,7 @@ def _check_generate_keys(body: dict) -> None:
             continue
         unknown.append(k)
     if unknown:
-        raise HTTPError(400, f"unknown field(s) in /generate: {', '.join(sorted(unknown))}")
+        raise HTTPError(400, f"unknown field(s) in /generate: {', '.join(shown(k) for k in sorted(unknown))}")
 
 
 _THREAD_PARSE_BYTES = 256 * 1024
@@ -224,6 +225,9 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/abort_request")
     async def abort_request(request: Request):
         body = await read_json(request)
+        unknown = sorted(set(body) - {"rid"})
+        if unknown:
+            raise HTTPError(400, f"unknown field(s) in /abort_request: {', '.join(shown(k) for k in unknown)}")
         rid = body.get("rid")
         if not isinstance(rid, str):
             raise HTTPError(400, "rid must be a string")
@@ -433,7 +437,9 @@ def launch_server(args: ServerArgs) -> int:
     state = ServerState(args, runtime, Metrics(served_model_name(args)) if args.enable_metrics else None)
     app = create_app(state)
     # uvicorn's own cut-off comes after plait's drain has ended what was left with an error
+    limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.keep_alive_timeout, args.max_connections)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            http=guarded_protocol(limits), timeout_keep_alive=args.keep_alive_timeout,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5, access_log=args.log_level == "debug")
     server = _server_class()(config)
     exit_code = 0

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from plait.runtime.entrypoints.http_guard import shown
 from plait.runtime.entrypoints.http_server import (HTTPError, ServerState, constrained, first_or_disconnect, read_json, sse,
                                                    started, validation_message)
 from plait.runtime.managers.io_struct import TokenizedGenerateReq
@@ -68,7 +69,8 @@ async def parse_body(request: Request, model: type[BaseModel], state: ServerStat
     except ValidationError as e:
         raise HTTPError(400, validation_message(e.errors(include_url=False))) from None
     if req.model is not None and req.model not in state.model_aliases:
-        raise HTTPError(404, f"The model `{req.model}` does not exist (this server serves `{state.model_name}`).")
+        raise HTTPError(404, f"The model `{shown(req.model)}` does not exist (this server serves "
+                            f"`{state.model_name}`).")
     return req
 
 

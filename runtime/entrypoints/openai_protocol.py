@@ -1,6 +1,9 @@
 """Request bodies of the OpenAI API (pydantic, so a bad field is a 400 naming it).
 
-Fields plait does not serve are rejected with a message rather than silently ignored.
+An unknown field is a 400 naming it, as on /generate; fields plait does not serve are refused with a
+message rather than silently ignored. Each model's `ignored` lists what OpenAI's clients send that
+changes nothing plait does (bookkeeping such as `metadata`, hosted-only hints such as `service_tier`,
+and the fields of a returned message or item sent back as history); those are accepted and dropped.
 SGLang/vLLM extras are accepted: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, skip_special_tokens, regex, ebnf.
 """
@@ -8,23 +11,43 @@ stop_token_ids, skip_special_tokens, regex, ebnf.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """Unknown fields are refused, but for `ignored` ones, which are dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+    ignored: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.ignored:
+            return {k: v for k, v in data.items() if k not in cls.ignored}
+        return data
+
+
+# bookkeeping and hosted-only hints of a chat or completions request
+_REQUEST_IGNORED = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                              "reasoning_effort", "verbosity", "modalities", "prediction"})
+
+
+class StreamOptions(_Strict):
+    ignored = frozenset({"include_obfuscation", "continuous_usage_stats"})
     include_usage: bool = False
 
 
-class JSONSchemaFormat(BaseModel):
+class JSONSchemaFormat(_Strict):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None  # plait always enforces the schema
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 
@@ -38,40 +61,41 @@ class ResponseFormat(BaseModel):
         return None
 
 
-class FunctionDef(BaseModel):
+class FunctionDef(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(BaseModel):
+class Tool(_Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class ToolChoiceFunction(BaseModel):
+class ToolChoiceFunction(_Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(_Strict):
     type: Literal["function"]
     function: ToolChoiceFunction
 
 
-class ToolCallFunction(BaseModel):
+class ToolCallFunction(_Strict):
     name: str
     arguments: str
 
 
-class ToolCall(BaseModel):
+class ToolCall(_Strict):
+    ignored = frozenset({"index"})  # a streamed call's delta index, when a client sends the deltas back
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Common(_Strict):
+    ignored = _REQUEST_IGNORED
 
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)
@@ -99,6 +123,16 @@ class _Common(BaseModel):
     response_format: ResponseFormat | None = None
     json_whitespace: Literal["compact", "flexible"] | None = None  # plait: the layout of a json_schema output
     json_key_order: Literal["schema", "any"] | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_with_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def _check_min_tokens(self, most: int | None, name: str) -> None:
+        if most is not None and self.min_tokens > most:
+            raise ValueError(f"min_tokens {self.min_tokens} is more than {name} {most}")
 
     @field_validator("logit_bias")
     @classmethod
@@ -156,6 +190,11 @@ class CompletionRequest(_Common):
     suffix: str | None = None
     best_of: int | None = None
 
+    @model_validator(mode="after")
+    def _min_within_max(self):
+        self._check_min_tokens(self.max_tokens, "max_tokens")
+        return self
+
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v):
@@ -171,20 +210,30 @@ class CompletionRequest(_Common):
         return v
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ContentPart(_Strict):
+    # parts of other types are refused by type, with a clearer message than their fields would get
+    ignored = frozenset({"cache_control", "image_url", "input_audio", "file"})
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Strict):
+    # what a returned message carries when a client sends it back as history
+    ignored = frozenset({"refusal", "annotations", "audio", "function_call", "reasoning_content", "reasoning"})
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.role != "assistant" and (self.content is None or self.content == []):
+            raise ValueError(f"a {self.role} message needs content (a string or a non-empty list of parts)")
+        if self.role == "assistant" and self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -199,8 +248,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
@@ -210,6 +259,16 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens differ: give one")
+        self._check_min_tokens(self.max_completion_tokens or self.max_tokens, "the maximum tokens")
+        return self
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self):
@@ -231,10 +290,9 @@ class ChatCompletionRequest(_Common):
 
 
 # ---- the Responses API (/v1/responses) ---------------------------------------------------------------------
-class ResponseTool(BaseModel):
+class ResponseTool(_Strict):
     """A tool of the Responses API: flat (no `function` wrapper). Only function tools run here."""
 
-    model_config = ConfigDict(extra="ignore")
     type: str
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     description: str | None = None
@@ -250,13 +308,12 @@ class ResponseTool(BaseModel):
         return self
 
 
-class ResponseFunctionChoice(BaseModel):
+class ResponseFunctionChoice(_Strict):
     type: Literal["function"]
     name: str
 
 
-class ResponseTextFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ResponseTextFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     name: str = "response"
     description: str | None = None
@@ -264,13 +321,15 @@ class ResponseTextFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseText(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ResponseText(_Strict):
+    ignored = frozenset({"verbosity"})
     format: ResponseTextFormat | None = None
 
 
-class InputPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class InputPart(_Strict):
+    # an output_text part sent back; the fields of parts refused by type (a clearer message than theirs)
+    ignored = frozenset({"annotations", "logprobs", "image_url", "file_id", "file_data", "file_url", "filename",
+                         "detail"})
     type: str
     text: str | None = None
 
@@ -281,11 +340,11 @@ class InputPart(BaseModel):
         return self
 
 
-class InputItem(BaseModel):
+class InputItem(_Strict):
     """One item of `input`: a message (with or without `type`), a function call the model made earlier or the
     output of one. Reasoning items are taken and not shown to the model again."""
 
-    model_config = ConfigDict(extra="ignore")
+    ignored = frozenset({"id", "status", "summary", "encrypted_content"})  # an output item sent back
     type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     role: Literal["user", "system", "developer", "assistant"] | None = None
     content: str | list[InputPart] | None = None
@@ -304,8 +363,9 @@ class InputItem(BaseModel):
         return self
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ResponsesRequest(_Strict):
+    ignored = frozenset({"include", "reasoning", "truncation", "service_tier", "prompt_cache_key",
+                         "safety_identifier"})
 
     model: str | None = None
     input: str | list[InputItem]

@@ -130,21 +130,31 @@ class Sender:
         self.sock.send(self._encoder.encode(msg), copy=False)
 
 
-def die_with_parent(root: str | None) -> None:
-    """In a child process: end when the parent dies (Linux: SIGTERM by PR_SET_PDEATHSIG), so no child
-    outlives a server, and remove the socket directory `root` (if any) on the way out: a parent killed
-    by SIGKILL cannot remove it itself."""
+# how a parent stops its runtime processes, and what they get when it dies (PR_SET_PDEATHSIG)
+STOP_SIGNAL = signal.SIGUSR1
 
-    def on_term(signum, frame) -> None:
+
+def die_with_parent(root: str | None) -> None:
+    """In a child process: end on STOP_SIGNAL, which the parent sends to stop it and Linux sends when
+    the parent dies (PR_SET_PDEATHSIG), so no child outlives a server; remove the socket directory
+    `root` (if any) on the way out: a parent killed by SIGKILL cannot remove it itself.
+
+    SIGINT and SIGTERM are ignored: Ctrl+C, `kill -TERM -PGID`, `timeout` and `systemctl stop` signal
+    the whole process group (or cgroup) at once, and the server still needs its children to finish
+    the requests in flight before it stops them."""
+
+    def on_stop(signum, frame) -> None:
         if root:
             remove_dir(root)
         os._exit(0)
 
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(STOP_SIGNAL, on_stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            libc.prctl(1, STOP_SIGNAL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
 

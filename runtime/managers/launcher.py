@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plait.runtime.distributed.worker import RankPlace
-from plait.runtime.managers.ipc import Addresses, remove_dir
+from plait.runtime.managers.ipc import STOP_SIGNAL, Addresses, remove_dir
 from plait.runtime.managers.limits import RuntimeLimits
 from plait.runtime.server_args import ServerArgs
 
@@ -52,7 +52,7 @@ class RuntimeProcesses:
     def shutdown(self, timeout: float = 10.0) -> None:
         for p in self.procs.values():
             if p.poll() is None:
-                p.terminate()
+                p.send_signal(STOP_SIGNAL)
         deadline = time.monotonic() + timeout
         for p in self.procs.values():
             try:

@@ -38,6 +38,9 @@ def validate_request(msg: TokenizedGenerateReq, limits: RuntimeLimits) -> None:
     p = msg.sampling_params
     if any(t >= limits.vocab_size for t in p.stop_token_ids):
         raise ValueError(f"sampling_params.stop_token_ids must be in [0, {limits.vocab_size})")
+    if p.max_new_tokens > limits.context_length - n:  # checked before admission, as chat and completions do
+        raise ValueError(f"sampling_params.max_new_tokens {p.max_new_tokens} plus the prompt's {n} tokens exceeds "
+                         f"the context length {limits.context_length}")
     if p.min_new_tokens > limits.context_length - n:
         raise ValueError(f"sampling_params.min_new_tokens {p.min_new_tokens} plus the prompt's {n} tokens exceeds "
                          f"the context length {limits.context_length}")

@@ -41,9 +41,17 @@ _RETRY_EVERY = 4  # tokens between searches while none has found a completion th
 # margin): one token can lengthen the completion by as much as a plan has needed (`}, {` opens another item
 # of an array, a tool's name picks a call whose arguments need more than the budget has)
 _CLOSE_MARGIN = 4
+_SHORT_WINDOW = 48  # the least close_window
 
 # bitmask rows of one step: (bitmask, {id(req): first row}); a drafting request has 1 + len(draft) rows
 Masks = tuple[torch.Tensor, dict[int, int]]
+
+
+def close_window(req: Req) -> int:
+    """Tokens before the budget from which the closing keeps a plan: CLOSE_WINDOW (long completions need an
+    early start), but no more than half a short request's budget, so speculative guesses (none while a plan
+    is kept) still serve its first half."""
+    return min(CLOSE_WINDOW, max(_SHORT_WINDOW, req.params.max_new_tokens // 2))
 
 
 class GrammarManager:
@@ -250,12 +258,12 @@ class GrammarManager:
             req.set_draft(draft, forced=True)
 
     def _close_if_due(self, req: Req, left: int) -> int:
-        """Within CLOSE_WINDOW tokens of the budget, keep a planned completion of the grammar: the last one
+        """Within close_window() tokens of the budget, keep a planned completion of the grammar: the last one
         while it still takes the grammar to its end, else a new search (every few tokens while none fits).
         Once the tokens left come within twice the longest plan yet, the request's matcher
         becomes a ClosingMatcher (the model writes on only while a completion still fits). Returns the
         tokens a draft must leave."""
-        if self._close_vocab is None or isinstance(req.grammar, ClosingMatcher) or left > CLOSE_WINDOW:
+        if self._close_vocab is None or isinstance(req.grammar, ClosingMatcher) or left > close_window(req):
             return 0
         last = req.close_plan
         start = time.perf_counter()
@@ -303,9 +311,13 @@ class GrammarManager:
 
     def admissible(self, req: Req, guess: list[int]) -> list[int]:
         """The longest prefix of a speculative guess the request's grammar allows after its draft so far (the
-        forced text, if any; matcher unchanged), short of the grammar's end."""
+        forced text, if any; matcher unchanged), short of the grammar's end, and with a planned completion
+        kept, short of its room."""
         if isinstance(req.grammar, ClosingMatcher) or req.close_plan is not None:
-            return []  # near the budget the closing plans the end: no guesses
+            # near the budget the closing plans the end: no guesses. Their tokens would be committed together,
+            # and the closing's state (its plans, when it takes over) would follow other steps than decoding
+            # token by token does, and so might its masks: outputs must not depend on drafts
+            return []
         for t in req.draft:
             req.grammar.accept_token(t)  # checked when the forced text was planned
         n = allowed_prefix(req.grammar, guess, before_end=True)
