@@ -123,6 +123,18 @@ class _Common(_Strict):
     response_format: ResponseFormat | None = None
     json_whitespace: Literal["compact", "flexible"] | None = None  # plait: the layout of a json_schema output
     json_key_order: Literal["schema", "any"] | None = None
+    # SGLang's own extras, which its router sends with every request: served at their defaults only
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    return_hidden_states: bool = False
+
+    @model_validator(mode="after")
+    def _sglang_defaults_only(self):
+        for name, default in (("separate_reasoning", True), ("stream_reasoning", True),
+                              ("return_hidden_states", False)):
+            if getattr(self, name) != default:
+                raise ValueError(f"{name}={json.dumps(not default)} is not supported by plait")
+        return self
 
     @model_validator(mode="after")
     def _stream_options_with_stream(self):
