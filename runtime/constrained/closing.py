@@ -27,6 +27,10 @@ from plait.runtime.constrained.bitmask import allocate_bitmask, allow_only, allo
 # document with several required values left (two date-times, an enum, a number) needs 50 tokens or more
 CLOSE_WINDOW = 160
 _MAX_STEPS = 400  # tokens a search may accept (each costs a mask); plans are kept while they hold
+# and the seconds it may take: it runs in the scheduler's loop, and a grammar whose masks are slow (a regex of
+# 99,999 repeats: 60 ms a mask) would hold every request's next step for the search's 400 masks. Searches on
+# ordinary grammars take a few ms, so this bound does not decide their plans
+_MAX_SEARCH_S = 0.1
 _FALLBACK = 3
 _DISCREPANCIES = 2  # passes that leave the preferred path at most this many times, before a full search
 _CLOSERS = set('"}]')
@@ -87,9 +91,14 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
     first, trying first the tokens that leave the least JSON open (strings, arrays, objects) and, among
     equals, the closers, separators and short values in `vocab.ordered`, in passes of limited discrepancy
     (the preferred path, then those that leave it once, twice, then any); it backtracks out of dead ends
-    and paths that run past `limit`, within _MAX_STEPS tokens accepted. The matcher is left as it was."""
+    and paths that run past `limit`, within _MAX_STEPS tokens accepted and _MAX_SEARCH_S seconds. The matcher
+    is left as it was."""
     bitmask, probe = allocate_bitmask(1, vocab.vocab_size), allocate_bitmask(1, vocab.vocab_size)
     steps = 0
+    deadline = time.perf_counter() + _MAX_SEARCH_S
+
+    def spent() -> bool:
+        return steps >= _MAX_STEPS or time.perf_counter() > deadline
 
     def key(state: _Open, tok: int) -> tuple:
         text = _text_of(vocab, tok)
@@ -133,7 +142,7 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
             return None
         taken = 0
         for tok in candidates(bitmask[0], state):
-            if steps >= _MAX_STEPS or (taken > slack >= 0):
+            if spent() or (taken > slack >= 0):
                 return None
             if not matcher.accept_token(tok):
                 continue
@@ -154,7 +163,7 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
     # search spends its steps in the first choice's subtree: the longer tool name when a shorter one fits)
     for slack in (*range(_DISCREPANCIES + 1), -1):
         plan = search(0, start, slack)
-        if plan is not None or steps >= _MAX_STEPS:
+        if plan is not None or spent():
             return plan
     return None
 

@@ -15,6 +15,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from plait.runtime.entrypoints.http_guard import shown
+
 
 class _Strict(BaseModel):
     """Unknown fields are refused, but for `ignored` ones, which are dropped."""
@@ -207,6 +209,13 @@ class CompletionRequest(_Common):
         self._check_min_tokens(self.max_tokens, "max_tokens")
         return self
 
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v):
+        if v not in (None, 1):
+            raise ValueError("best_of is not supported (use n)")
+        return v
+
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v):
@@ -287,7 +296,8 @@ class ChatCompletionRequest(_Common):
         if isinstance(self.tool_choice, NamedToolChoice):
             names = [t.function.name for t in self.tools or []]
             if self.tool_choice.function.name not in names:
-                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools {names}")
+                raise ValueError(f"tool_choice names {shown(self.tool_choice.function.name)!r}, which is not in tools "
+                                 f"{[shown(n) for n in names]}")
         elif self.tool_choice == "required" and not self.tools:
             raise ValueError("tool_choice 'required' needs tools")
         return self
