@@ -19,10 +19,9 @@ import torch
 class ReqToTokenPool:
     """Maps a request row to the KV slots of its tokens: table[row, i] = slot of token i."""
 
-    def __init__(self, max_requests: int, max_context_len: int, device: str = "cpu"):
-        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=device)
+    def __init__(self, max_requests: int, context_length: int, device: str = "cpu"):
+        self.table = torch.zeros((max_requests, context_length), dtype=torch.int64, device=device)
         self._free = list(range(max_requests - 1, -1, -1))
-        self.max_context_len = max_context_len
 
     def alloc(self) -> int | None:
         return self._free.pop() if self._free else None

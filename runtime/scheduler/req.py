@@ -6,7 +6,6 @@ Lengths, named the same everywhere:
 - `tree_len`: leading tokens whose KV belongs to the radix tree (locked through `last_node`);
 - `alloc_len`: tokens that have KV slots in the request's row (>= cached_len);
 - `window_released`: leading tokens whose window slots (sliding-window layers) it no longer holds;
-- `extend_len`: tokens computed in the current forward;
 - `output_len`: generated tokens.
 """
 
@@ -56,7 +55,6 @@ class Req:
         self.alloc_len = 0
         self.window_released = 0
         self.window_covered = 0  # cached tokens whose window slots it locks in the tree (KVManager)
-        self.extend_len = 0
         self.cached_tokens = -1  # prompt tokens served from the radix cache at admission; -1 until admitted
         self.num_retractions = 0
         self.finish: FinishReason | None = None

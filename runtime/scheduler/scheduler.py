@@ -248,7 +248,6 @@ class Scheduler:
             offsets = [p - start for p in range(max(lo, start), min(hi, start + n))]
         if start + n == req.seq_len:  # logits at the last token, and at each draft token before it
             offsets.extend(range(n - 1 - len(req.draft), n))
-        req.extend_len = n
         mode = ForwardMode.TARGET_VERIFY if req.draft else (ForwardMode.DECODE if decoding else ForwardMode.EXTEND)
         return WorkItem(req.row, start, tokens, offsets, mode, req.draft_parents if req.draft else None)
 
