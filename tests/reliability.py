@@ -33,7 +33,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
-from server_util import Server
+from server_util import Server, slow_connection
 
 PROMPTS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about rain.",
            "Why is the sky blue?", "Explain what a CPU does in one paragraph.", "List five fruits.",
@@ -299,34 +299,6 @@ def phase_signals(a) -> bool:
     return ok
 
 
-async def _slow_connection(port: int, kind: str, body: bytes) -> tuple[float, bytes]:
-    """A connection that sends nothing (idle), its headers or its body a byte every 0.5 s: (seconds until the
-    server closed it, what it answered)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    start = time.perf_counter()
-    head = (f"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\n\r\n").encode()
-    if kind == "body":
-        writer.write(head)
-    trickle = {"headers": head, "body": body}.get(kind, b"")
-
-    async def send_slowly():
-        for i in range(len(trickle)):
-            writer.write(trickle[i : i + 1])
-            await asyncio.sleep(0.5)
-
-    sender = asyncio.ensure_future(send_slowly())
-    answer = b""
-    try:
-        while chunk := await asyncio.wait_for(reader.read(4096), 120):
-            answer += chunk
-    except (ConnectionError, asyncio.TimeoutError):
-        pass
-    sender.cancel()
-    writer.close()
-    return time.perf_counter() - start, answer
-
-
 def phase_slow_clients(a) -> bool:
     """200 connections held open by slow or idle clients (70 idle, 65 slow headers, 65 slow bodies) with the
     default timeouts, while normal requests go on: each slow one gets a 408 and is closed within its timeout."""
@@ -337,7 +309,7 @@ def phase_slow_clients(a) -> bool:
     limits = {"idle": 10.0, "headers": 10.0, "body": 60.0}  # --header-timeout, --body-timeout (defaults)
 
     async def run():
-        held = [asyncio.ensure_future(_slow_connection(srv.port, kind, body)) for kind in kinds]
+        held = [asyncio.ensure_future(slow_connection(srv.port, kind, body, 120)) for kind in kinds]
         served, latencies = [], []
         async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
             while not all(h.done() for h in held):

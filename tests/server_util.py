@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -80,3 +81,32 @@ class Server:
                 self.proc.wait()
                 raise
         return self.proc.returncode
+
+
+async def slow_connection(port: int, kind: str, body: bytes, wait: float) -> tuple[float, bytes]:
+    """A connection to /generate that sends nothing (`idle`), or its headers (`headers`) or its body (`body`) a
+    byte every 0.5 s: (seconds until the server closed it, what it answered), waiting at most `wait` seconds
+    for each read."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    start = time.monotonic()
+    head = (f"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode()
+    if kind == "body":
+        writer.write(head)
+    trickle = {"headers": head, "body": body}.get(kind, b"")
+
+    async def send_slowly():
+        for i in range(len(trickle)):
+            writer.write(trickle[i : i + 1])
+            await asyncio.sleep(0.5)
+
+    sender = asyncio.ensure_future(send_slowly())
+    answer = b""
+    try:
+        while chunk := await asyncio.wait_for(reader.read(4096), wait):
+            answer += chunk
+    except (ConnectionError, asyncio.TimeoutError):
+        pass
+    sender.cancel()
+    writer.close()
+    return time.monotonic() - start, answer

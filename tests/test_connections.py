@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from server_util import Server
+from server_util import Server, slow_connection
 
 TIMEOUT = 3.0
 PER_KIND = 20
@@ -24,37 +24,10 @@ def server():
     srv.stop()
 
 
-async def _held(port: int, kind: str) -> tuple[float, bytes]:
-    """Open a connection that misbehaves as `kind`; (seconds until the server closed it, what it answered)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    start = time.monotonic()
-    head = f"POST /generate HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n" \
-           f"content-length: {len(BODY)}\r\n\r\n".encode()
-    if kind == "body":
-        writer.write(head)
-    trickle = head if kind == "headers" else BODY if kind == "body" else b""
-    answer = b""
-
-    async def send_slowly():
-        for i in range(len(trickle)):
-            writer.write(trickle[i : i + 1])
-            await asyncio.sleep(0.5)
-
-    sender = asyncio.ensure_future(send_slowly())
-    try:
-        while chunk := await asyncio.wait_for(reader.read(4096), 4 * TIMEOUT + 10):
-            answer += chunk
-    except (ConnectionError, asyncio.TimeoutError):
-        pass
-    sender.cancel()
-    writer.close()
-    return time.monotonic() - start, answer
-
-
 def test_slow_and_idle_connections_are_closed_in_time_while_others_are_served(server):
     async def run():
-        held = [asyncio.ensure_future(_held(server.port, kind)) for kind in ("idle", "headers", "body")
-                for _ in range(PER_KIND)]
+        held = [asyncio.ensure_future(slow_connection(server.port, kind, BODY, 4 * TIMEOUT + 10))
+                for kind in ("idle", "headers", "body") for _ in range(PER_KIND)]
         await asyncio.sleep(0.5)
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
             served = []

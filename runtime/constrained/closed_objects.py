@@ -12,7 +12,7 @@ branch whose parent lists properties of its own), where closing one part would r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 # keywords that say what an object admits beyond its `properties`: such an object stays as it is
 _OPEN_SAYERS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
@@ -24,10 +24,11 @@ _NEGATED = ("not", "if", "oneOf")
 _CHILDREN = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties")
 
 
-def close_objects(root: Any) -> None:
-    """Sets `additionalProperties: false` in place on each closable object schema of `root`."""
+def close_objects(root: Any, resolve: Callable[[str], Any]) -> None:
+    """Sets `additionalProperties: false` in place on each closable object schema of `root`; `resolve` gives
+    the subschema a `$ref` names (None where it names none)."""
     verdicts: dict[int, tuple[dict, bool]] = {}  # id -> (schema, closable at every use)
-    _walk(root, True, root, verdicts, set())
+    _walk(root, True, resolve, verdicts, set())
     for schema, closable in verdicts.values():
         if closable:
             schema["additionalProperties"] = False
@@ -39,7 +40,7 @@ def _closable_here(schema: dict) -> bool:
             and not any(k in schema for k in (*_CONJUNCTS, *_NEGATED, "anyOf", "$ref", "$dynamicRef")))
 
 
-def _walk(schema: Any, closable: bool, root: Any, verdicts: dict, seen: set) -> None:
+def _walk(schema: Any, closable: bool, resolve: Callable[[str], Any], verdicts: dict, seen: set) -> None:
     if not isinstance(schema, dict) or (id(schema), closable) in seen:
         return
     seen.add((id(schema), closable))
@@ -57,32 +58,18 @@ def _walk(schema: Any, closable: bool, root: Any, verdicts: dict, seen: set) -> 
     # an item counted against maxContains must not stop matching `contains`
     children.append(schema.get("contains") if "maxContains" not in schema else None)
     for child in children:
-        _walk(child, closable, root, verdicts, seen)
+        _walk(child, closable, resolve, verdicts, seen)
     for key in _CONJUNCTS:
         parts = schema.get(key)
         for part in parts.values() if isinstance(parts, dict) else parts if isinstance(parts, list) else [parts]:
-            _walk(part, False, root, verdicts, seen)
+            _walk(part, False, resolve, verdicts, seen)
     for branch in schema.get("anyOf") or []:
-        _walk(branch, closable and not adds_own, root, verdicts, seen)
+        _walk(branch, closable and not adds_own, resolve, verdicts, seen)
     for key in _NEGATED:
         for part in schema.get(key) if isinstance(schema.get(key), list) else [schema.get(key)]:
-            _walk(part, False, root, verdicts, seen)
+            _walk(part, False, resolve, verdicts, seen)
     if "maxContains" in schema:
-        _walk(schema.get("contains"), False, root, verdicts, seen)
+        _walk(schema.get("contains"), False, resolve, verdicts, seen)
     ref = schema.get("$ref")
     if isinstance(ref, str):  # a $ref beside other keywords is one more conjunct of its object
-        _walk(_resolve(root, ref), closable and not adds_own, root, verdicts, seen)
-
-def _resolve(root: Any, ref: str) -> Any:
-    if not ref.startswith("#"):
-        return None
-    node = root
-    for part in filter(None, ref[1:].split("/")):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict):
-            node = node.get(part)
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
+        _walk(resolve(ref), closable and not adds_own, resolve, verdicts, seen)

@@ -131,7 +131,7 @@ def rewrite_schema(schema: Any, backend: str, narrow: bool = True) -> tuple[dict
     if walker.problems:
         shown = "; ".join(walker.problems[:8]) + (f"; and {len(walker.problems) - 8} more" if len(walker.problems) > 8 else "")
         raise GrammarError(f"json_schema uses what the {backend} backend cannot enforce: {shown}")
-    close_objects(schema)
+    close_objects(schema, lambda ref: _lookup(schema, ref))
     return schema, list(dict.fromkeys(walker.narrowed))
 
 

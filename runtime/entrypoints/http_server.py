@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Collection
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -56,8 +56,13 @@ def _check_generate_keys(body: dict) -> None:
                 raise HTTPError(400, f"{k}={json.dumps(v)} is not supported by plait")
             continue
         unknown.append(k)
+    refuse_unknown("/generate", unknown)
+
+
+def refuse_unknown(route: str, unknown: Collection[str]) -> None:
+    """A 400 naming a native route's unknown fields, if any."""
     if unknown:
-        raise HTTPError(400, f"unknown field(s) in /generate: {', '.join(shown(k) for k in sorted(unknown))}")
+        raise HTTPError(400, f"unknown field(s) in {route}: {', '.join(shown(k) for k in sorted(unknown))}")
 
 
 _THREAD_PARSE_BYTES = 256 * 1024
@@ -225,9 +230,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/abort_request")
     async def abort_request(request: Request):
         body = await read_json(request)
-        unknown = sorted(set(body) - {"rid"})
-        if unknown:
-            raise HTTPError(400, f"unknown field(s) in /abort_request: {', '.join(shown(k) for k in unknown)}")
+        refuse_unknown("/abort_request", set(body) - {"rid"})
         rid = body.get("rid")
         if not isinstance(rid, str):
             raise HTTPError(400, "rid must be a string")
@@ -246,9 +249,7 @@ def create_app(state: ServerState) -> FastAPI:
         "input_ids", "reused"} (or {"join_id": null, "reason"}); later /generate calls that list
         join_id in kv_joins reuse the joined KV."""
         body = await read_json(request)
-        unknown = sorted(set(body) - {"fork_text", "branch_texts", "kv_joins"})
-        if unknown:
-            raise HTTPError(400, f"unknown field(s) in /join_kv: {', '.join(unknown)}")
+        refuse_unknown("/join_kv", set(body) - {"fork_text", "branch_texts", "kv_joins"})
         return await state.client.join_kv(body.get("fork_text"), body.get("branch_texts"), body.get("kv_joins"))
 
     @app.get("/metrics")

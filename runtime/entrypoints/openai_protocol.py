@@ -132,8 +132,8 @@ class _Common(_Strict):
 
     @model_validator(mode="after")
     def _sglang_defaults_only(self):
-        for name, default in (("separate_reasoning", True), ("stream_reasoning", True),
-                              ("return_hidden_states", False)):
+        for name in ("separate_reasoning", "stream_reasoning", "return_hidden_states"):
+            default = type(self).model_fields[name].default
             if getattr(self, name) != default:
                 raise ValueError(f"{name}={json.dumps(not default)} is not supported by plait")
         return self

@@ -311,8 +311,7 @@ class GrammarManager:
 
     def admissible(self, req: Req, guess: list[int]) -> list[int]:
         """The longest prefix of a speculative guess the request's grammar allows after its draft so far (the
-        forced text, if any; matcher unchanged), short of the grammar's end, and with a planned completion
-        kept, short of its room."""
+        forced text, if any; matcher unchanged), short of the grammar's end."""
         if isinstance(req.grammar, ClosingMatcher) or req.close_plan is not None:
             # near the budget the closing plans the end: no guesses. Their tokens would be committed together,
             # and the closing's state (its plans, when it takes over) would follow other steps than decoding
