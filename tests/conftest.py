@@ -29,13 +29,19 @@ def tokenizer(engine):
 
 
 @pytest.fixture(scope="session")
-def runner():
-    """The default model in this process (no scheduler), for logits-level checks."""
-    from plait.runtime.model_executor.model_runner import ModelRunner
+def runner_args():
+    """The configuration `runner` was built with (a scheduler over it starts from these)."""
     from plait.runtime.server_args import ServerArgs
 
-    args = ServerArgs(num_threads=THREADS, max_total_tokens=4096, dtype="float32", log_level="warning").resolved()
-    return ModelRunner(args, progress=False)
+    return ServerArgs(num_threads=THREADS, max_total_tokens=4096, dtype="float32", log_level="warning").resolved()
+
+
+@pytest.fixture(scope="session")
+def runner(runner_args):
+    """The default model in this process (no scheduler), for logits-level checks."""
+    from plait.runtime.model_executor.model_runner import ModelRunner
+
+    return ModelRunner(runner_args, progress=False)
 
 
 @pytest.fixture(scope="session")

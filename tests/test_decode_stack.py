@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from plait.kernels import cpu_build
-from plait.runtime.model_executor.forward_batch import ForwardMode
+from plait.runtime.forward.batch import ForwardMode
 from plait.runtime.model_executor.model_runner import ModelRunner, WorkItem
 from plait.runtime.model_loader.packaged import fetch
 from plait.runtime.server_args import ServerArgs

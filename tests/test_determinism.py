@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from plait.kernels import cpu_isa
-from plait.runtime.model_executor.forward_batch import ForwardMode
+from plait.runtime.forward.batch import ForwardMode
 from plait.runtime.model_executor.model_runner import ModelRunner, WorkItem
 from plait.runtime.server_args import ServerArgs
 

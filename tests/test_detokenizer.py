@@ -1,6 +1,6 @@
 """Incremental detokenization: multi-byte characters split across tokens, stop strings across tokens."""
 
-from plait.runtime.managers.detokenizer import IncrementalDecoder
+from plait.runtime.launch.detokenizer import IncrementalDecoder
 
 
 def _stream(tokenizer, ids, **kw):

@@ -129,7 +129,7 @@ def test_malformed_heads_are_refused_naming_the_tensor(runner, tmp_path, change,
 def test_captured_features_are_the_targets_hidden_states(runner, hf_model):
     """The layers an EAGLE-3 head reads, and the last hidden state an EAGLE head reads, equal transformers'
     hidden states of the same model."""
-    from plait.runtime.model_executor.forward_batch import ForwardMode
+    from plait.runtime.forward.batch import ForwardMode
     from plait.runtime.model_executor.model_runner import WorkItem
 
     ids = runner.tokenizer.encode(SENTENCE)
@@ -156,7 +156,7 @@ def _train_args(**kw) -> argparse.Namespace:
 @pytest.fixture(scope="module")
 def tiny_data(runner):
     """Features and labels of three sequences, as train-eagle's feature phase makes them."""
-    from plait.runtime.model_executor.forward_batch import ForwardMode
+    from plait.runtime.forward.batch import ForwardMode
     from plait.runtime.model_executor.model_runner import WorkItem
 
     texts = [SENTENCE, "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n",
@@ -173,7 +173,7 @@ def tiny_data(runner):
     return {"capture": aux, "tokens": tokens, "features": feats, "labels": labels, "target": None}
 
 
-def test_feature_phase_labels_the_answer_only(runner):
+def test_feature_phase_labels_the_answer_only(runner, runner_args):
     """train-eagle's labels are the target's own picks: the tokens after the prompt; prompt positions get none
     (-1), nor does the last position. Features are the captured layers at every position."""
     from plait.runtime.speculative import train
@@ -181,7 +181,7 @@ def test_feature_phase_labels_the_answer_only(runner):
     ids = runner.tokenizer.encode(SENTENCE)
     prompt_len = 9
     ns = _train_args(max_len=len(ids) - 2)  # cut: the last two tokens are dropped
-    data = train._features(runner.args, [(ids, prompt_len), (ids[:5], 8)], ns)
+    data = train._features(runner_args, [(ids, prompt_len), (ids[:5], 8)], ns)
     labels = data["labels"][0].tolist()
     kept = ids[: len(ids) - 2]
     assert labels == [-1] * (prompt_len - 1) + kept[prompt_len:] + [-1]
@@ -250,7 +250,7 @@ def test_training_learns_the_targets_next_tokens(runner, tiny_data, tmp_path, mo
 
 def _heldout(head, data, ns, i: int) -> list[float]:
     from plait.runtime.layers.rotary import RotaryEmbedding
-    from plait.runtime.speculative.train import sequence_loss
+    from plait.train_eagle import sequence_loss
 
     cfg = head.cfg
     rotary = RotaryEmbedding(None, cfg.head_dim, cfg.rope_theta, 256, torch.float32)
@@ -266,7 +266,7 @@ def _heldout(head, data, ns, i: int) -> list[float]:
 def test_tree_verify_rows_see_their_ancestors_only(runner):
     """A draft tree verified in one forward: each node's logits equal those of its own path computed as a plain
     sequence (the tree mask over the paged KV lets a node see the prefix, its ancestors and itself)."""
-    from plait.runtime.model_executor.forward_batch import ForwardMode
+    from plait.runtime.forward.batch import ForwardMode
     from plait.runtime.model_executor.model_runner import WorkItem
 
     ids = runner.tokenizer.encode(SENTENCE)

@@ -10,7 +10,7 @@ import time
 import msgspec
 import pytest
 
-from plait.runtime.managers.io_struct import TokenizedGenerateReq
+from plait.runtime.ipc.messages import TokenizedGenerateReq
 from plait.runtime.sampling import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler
 
@@ -25,9 +25,9 @@ def _boom(*args, **kwargs):
     raise Boom("planted fault")
 
 
-def _scheduler(runner) -> tuple[Scheduler, list]:
+def _scheduler(runner, runner_args) -> tuple[Scheduler, list]:
     outs: list = []
-    args = dataclasses.replace(runner.args, disable_radix_cache=False)
+    args = dataclasses.replace(runner_args, disable_radix_cache=False)
     return Scheduler(args, runner, outs.extend), outs
 
 
@@ -81,9 +81,9 @@ def _plant_on(rid: str, attr_path: str, value=_boom, needs_grammar: bool = False
 
 
 @pytest.mark.parametrize("fault", ["stop_check", "grammar_accept", "grammar_mask", "sampler"])
-def test_a_fault_in_one_request_fails_it_alone(runner, fault):
+def test_a_fault_in_one_request_fails_it_alone(runner, runner_args, fault):
     tok = runner.tokenizer
-    sched, outs = _scheduler(runner)
+    sched, outs = _scheduler(runner, runner_args)
     good = [_msg(f"good{i}", tok, p) for i, p in enumerate(PROMPTS)]
     alone = _run(sched, outs, good)
     assert all(r["finish"].type == "length" and len(r["ids"]) == 12 for r in alone.values())
@@ -117,11 +117,11 @@ def test_a_fault_in_one_request_fails_it_alone(runner, fault):
     sched.close()
 
 
-def test_a_large_request_does_not_starve_a_small_one(runner):
+def test_a_large_request_does_not_starve_a_small_one(runner, runner_args):
     """Two running slots; a request of six sequences arrives first, then a single one. Fair admission
     gives the single request the first free slot instead of queueing it behind the whole group."""
     tok = runner.tokenizer
-    args = dataclasses.replace(runner.args, max_running_requests=2)
+    args = dataclasses.replace(runner_args, max_running_requests=2)
     outs: list = []
     sched = Scheduler(args, runner, outs.extend)
     group = [msgspec.structs.replace(_msg(f"big{i}", tok, PROMPTS[i % 4], max_new_tokens=8), group="big")

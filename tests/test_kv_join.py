@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import THREADS
-from plait.runtime.managers.io_struct import JoinKVReq, TokenizedGenerateReq
+from plait.runtime.ipc.messages import JoinKVReq, TokenizedGenerateReq
 from plait.runtime.model_executor.model_runner import ModelRunner
 from plait.runtime.sampling import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler

@@ -4,7 +4,7 @@ random-weight configs of every supported architecture loaded from HF folders (sh
 import pytest
 import torch
 
-from plait.runtime.model_executor.forward_batch import ForwardMode
+from plait.runtime.forward.batch import ForwardMode
 from plait.runtime.model_executor.model_runner import ModelRunner, WorkItem
 from plait.runtime.server_args import ServerArgs
 

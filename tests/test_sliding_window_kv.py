@@ -19,7 +19,7 @@ import torch
 
 from plait.radix_cache.memory_pool import WindowedKVAllocator
 from plait.radix_cache.radix_cache import RadixCache, intact_prefix
-from plait.runtime.managers.io_struct import TokenizedGenerateReq
+from plait.runtime.ipc.messages import TokenizedGenerateReq
 from plait.runtime.model_executor.model_runner import ModelRunner
 from plait.runtime.sampling import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler
@@ -173,7 +173,7 @@ def test_window_only_kv_gives_the_outputs_of_a_pool_that_keeps_every_token(tiny_
 
 def test_a_windowed_batch_crosses_the_wire_to_other_ranks(tiny_gemma3):
     """Tensor-parallel ranks run what rank 0 sends: the window slots travel with the batch."""
-    from plait.runtime.distributed import step_sync
+    from plait.runtime.model_executor import step_sync
     from plait.runtime.model_executor.model_runner import WorkItem
 
     runner = _scheduler(tiny_gemma3, max_total_tokens=256)[0].runner

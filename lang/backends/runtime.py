@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 from plait.lang.backends.base import Backend, Call, OnDelta, choose, gather_stream, unconditional_context
 from plait.lang.chat_template import ChatRoles, derive_roles
@@ -40,14 +41,13 @@ class Runtime(Backend):
 
     def _choice_ids(self, context: str, choices: list[str]) -> tuple[list[list[int]], list[int]]:
         """Token ids of context+choice and where the choice's tokens start (boundary merges included)."""
-        from plait.radix_cache.radix_cache import common_prefix_len  # here: `import plait.lang` stays torch-free
         tok = self.tokenizer
         head = tok.encode(context)
         ids, starts = [], []
         for c in choices:
             full = tok.encode(context + c)
             ids.append(full)
-            starts.append(max(min(common_prefix_len(head, full), len(full) - 1), 1))
+            starts.append(max(min(len(os.path.commonprefix([head, full])), len(full) - 1), 1))
         return ids, starts
 
     def select(self, prompt, messages, choices, method, temperature, call: Call = Call()):

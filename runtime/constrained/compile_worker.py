@@ -282,7 +282,7 @@ def _preload() -> None:
 
 
 def main() -> None:
-    from plait.runtime.managers.ipc import die_with_parent
+    from plait.runtime.lifetime import die_with_parent
 
     die_with_parent(None)  # a worker outlives no scheduler, even one killed mid-compile
     # the frames get a private copy of fd 1; fd 1 itself goes to stderr, so nothing a library prints

@@ -1,6 +1,6 @@
-"""Running one model across ranks: the collectives sharded layers call (group.py), the step rank 0
-broadcasts to the others (step_sync.py), and the process the other ranks run (worker.py). Names import on first
-use (the launcher reads worker.py's placement without torch)."""
+"""Running one model across ranks: a rank's place and the collectives sharded layers call (group.py), over gloo
+or, on one machine, shared memory (shm.py). Names import on first use. The step rank 0 broadcasts is
+model_executor/step_sync.py; the process the other ranks run is launch/rank_worker.py."""
 
 from plait.runtime.lazy import lazy_exports
 

@@ -12,9 +12,9 @@ import logging
 import threading
 from typing import Any, AsyncIterator, Iterator
 
-from plait.runtime.managers.launcher import launch_runtime
+from plait.runtime.launch.launcher import launch_runtime
 from plait.runtime.server_args import ServerArgs
-from plait.runtime.managers.runtime_client import GenerateInput, RuntimeClient
+from plait.runtime.client.runtime_client import GenerateInput, RuntimeClient
 
 logger = logging.getLogger(__name__)
 

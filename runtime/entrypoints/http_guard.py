@@ -15,7 +15,7 @@ import json
 from typing import Awaitable, Callable
 from urllib.parse import urlsplit
 
-from plait.runtime.managers.limits import MAX_JSON_DEPTH, check_json_value
+from plait.runtime.ipc.limits import MAX_JSON_DEPTH, check_json_value
 
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 _OPEN_PATHS = ("/health",)  # liveness probes need no key

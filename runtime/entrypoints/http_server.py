@@ -23,12 +23,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plait.runtime.entrypoints.connections import ConnectionLimits, guarded_protocol
-from plait.runtime.entrypoints.http_guard import BodyError, Guard, error_body, parse_json_body, shown
-from plait.runtime.managers.launcher import RuntimeProcesses
-from plait.runtime.managers.limits import MAX_JOIN_ID_CHARS, MAX_KV_JOINS
+from plait.runtime.entrypoints.http_guard import (BodyError, Guard, default_allowed_hosts, error_body, parse_json_body,
+                                                 shown)
+from plait.runtime.launch.launcher import RuntimeProcesses
+from plait.runtime.ipc.limits import MAX_JOIN_ID_CHARS, MAX_KV_JOINS
 from plait.runtime.server_args import ServerArgs
 from plait.runtime.parsers import ReasoningParser, ToolCallParser, reasoning_parser, tool_parser
-from plait.runtime.managers.runtime_client import GenerateInput, QueueFull, RequestFailed, RuntimeClient, RuntimeDead
+from plait.runtime.client.runtime_client import GenerateInput, QueueFull, RequestFailed, RuntimeClient, RuntimeDead
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,8 @@ def create_app(state: ServerState) -> FastAPI:
     args = state.args
 
     app.add_middleware(Guard, api_key=args.api_key, max_body=args.max_request_bytes,
-                       allowed_hosts=args.host_list(), allowed_origins=args.origin_list())
+                       allowed_hosts=default_allowed_hosts(args.host) if args.host_list() is None else args.host_list(),
+                       allowed_origins=args.origin_list())
     if args.origin_list():  # outermost: answers browsers' preflights for the allowed origins
         from starlette.middleware.cors import CORSMiddleware
 
@@ -426,8 +428,8 @@ def launch_server(args: ServerArgs) -> int:
     """Start the runtime and serve until SIGINT/SIGTERM (exit 0) or a runtime process dies (exit 1)."""
     import uvicorn
 
-    from plait.runtime.managers.launcher import launch_node, launch_runtime
-    from plait.runtime.managers.metrics import Metrics
+    from plait.runtime.launch.launcher import launch_node, launch_runtime
+    from plait.runtime.client.metrics import Metrics
 
     args = args.resolved()
     logging.basicConfig(level=args.log_level.upper(), format="[plait %(asctime)s] %(message)s")

@@ -20,11 +20,11 @@ from pydantic import BaseModel, ValidationError
 from plait.runtime.entrypoints.http_guard import shown
 from plait.runtime.entrypoints.http_server import (HTTPError, ServerState, constrained, first_or_disconnect, read_json, sse,
                                                    started, validation_message)
-from plait.runtime.managers.io_struct import TokenizedGenerateReq
-from plait.runtime.managers.limits import validate_request
+from plait.runtime.ipc.messages import TokenizedGenerateReq
+from plait.runtime.ipc.limits import validate_request
 from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from plait.runtime.sampling import SamplingParams
-from plait.runtime.managers.runtime_client import ReqState, RuntimeClient
+from plait.runtime.client.runtime_client import ReqState, RuntimeClient
 from plait.runtime.entrypoints.lark import after_reasoning, json_body
 from plait.runtime.entrypoints.tool_calls import (either_grammar, either_parse, either_schema, parse_constrained,
                                                   tool_call_schema, wire_call)

@@ -25,7 +25,7 @@ from plait.runtime.entrypoints.http_server import (HTTPError, ServerState, const
 from plait.runtime.entrypoints.openai_api import ChatView, ChatReply, body_doc, chat_requests, finish_reason, parse_body
 from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest, InputItem, ResponsesRequest
 from plait.runtime.entrypoints.tool_calls import wire_call
-from plait.runtime.managers.runtime_client import ReqState
+from plait.runtime.client.runtime_client import ReqState
 
 _STORE_SIZE = 1024  # stored responses kept (the oldest dropped first)
 _EXTRAS = {"top_k", "min_p", "repetition_penalty", "stop", "ignore_eos", "regex", "ebnf"}  # passed on to chat

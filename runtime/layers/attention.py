@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from plait.kernels import cpu_attention, cpu_isa
 from plait.radix_cache.memory_pool import KVPool
-from plait.runtime.model_executor.forward_batch import AttnGroup, ForwardBatch
+from plait.runtime.forward.batch import AttnGroup, ForwardBatch
 
 
 def paged_attention(fb: ForwardBatch, layer: int, pool: KVPool, q: torch.Tensor, scale: float, window: int = 0,

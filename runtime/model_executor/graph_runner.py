@@ -10,7 +10,6 @@ Today's runner, `c`, runs decode and verify steps as one C call over the quantiz
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -18,20 +17,8 @@ from torch import nn
 from plait.kernels.cpu_decode import DecodeLayers, StepTables
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.model_config import FULL, SLIDING
-from plait.runtime.model_executor.forward_batch import ForwardBatch
-
-Rope = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer kind -> (cos, sin) at the batch's positions
-
-
-class GraphRunner(Protocol):
-    name: str
-
-    def takes(self, fb: ForwardBatch) -> bool:
-        """Whether this runner runs the layer stack for batch `fb`."""
-
-    def run(self, x: torch.Tensor, fb: ForwardBatch, rope: Rope) -> torch.Tensor:
-        """The residual stream after the last layer, for the embedded tokens x [T, H]."""
-
+from plait.runtime.forward.batch import ForwardBatch
+from plait.runtime.forward.graph import GraphRunner, Rope
 
 GraphFactory = Callable[[nn.Module, KVPool], "GraphRunner | None"]
 GRAPH_RUNNERS: dict[str, GraphFactory] = {}

@@ -12,14 +12,14 @@ import torch
 
 from plait.kernels.cpu_build import loaded_kernels
 from plait.radix_cache.memory_pool import KVAllocator, KVPool, ReqToTokenPool, WindowedKVAllocator
-from plait.runtime.distributed import step_sync
+from plait.runtime.model_executor import step_sync
+from plait.runtime.model_executor.config import RunnerConfig
 from plait.runtime.distributed.group import SINGLE, Group
-from plait.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode, build_group
+from plait.runtime.forward.batch import ForwardBatch, ForwardMode, build_group
 from plait.runtime.model_executor.graph_runner import build_graph_runner
 from plait.runtime.model_executor.threads import ThreadGovernor, apply
 from plait.runtime.model_config import SLIDING
 from plait.runtime.model_loader import load_model
-from plait.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,11 @@ class WorkItem:
 
 class ModelRunner:
     """Rank 0's runner (the scheduler's) runs each forward and, under tensor or expert parallelism,
-    first broadcasts its batch (runtime/distributed/step_sync.py); the other ranks' runners `follow`."""
+    first broadcasts its batch (runtime/model_executor/step_sync.py); the other ranks' runners `follow`."""
 
-    def __init__(self, args: ServerArgs, progress: bool = True, group: Group = SINGLE):
+    def __init__(self, args, progress: bool = True, group: Group = SINGLE):
+        """`args`: a ServerArgs (or a RunnerConfig); the runner keeps only its RunnerConfig."""
+        args = RunnerConfig.of(args)
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.args = args

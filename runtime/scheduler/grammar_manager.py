@@ -19,7 +19,6 @@ import subprocess
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Callable
 
 import torch
 
@@ -29,8 +28,9 @@ from plait.runtime.constrained.closing import CLOSE_WINDOW, ClosingMatcher, Clos
 from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
 from plait.runtime.constrained.jump_forward import accepted_prefix, allowed_prefix, plan_draft
 from plait.runtime.constrained.schema_policy import rewrite_schema
-from plait.runtime.managers.io_struct import GRAMMAR_CLOSED, GRAMMAR_CUT, FinishReason
+from plait.runtime.ipc.messages import GRAMMAR_CLOSED, GRAMMAR_CUT, FinishReason
 from plait.runtime.sampling import SampleRow, sample
+from plait.runtime.scheduler.faults import fail_request
 from plait.runtime.scheduler.req import Req
 from plait.runtime.server_args import ServerArgs
 
@@ -193,11 +193,11 @@ class GrammarManager:
         return not req.return_logprob and p.top_k == -1 and p.top_p == 1 and p.min_p == 0
 
     def settle(self, logits: torch.Tensor, reqs: list[Req], rows: list[SampleRow], next_ids: list[int],
-               masks: Masks | None, fail: Callable[[Req, str, BaseException], None]) -> set[int]:
+               masks: Masks | None) -> set[int]:
         """Advance the matchers of the lazily masked requests over their unmasked picks; where the
         grammar rejects one, fill that mask now and sample the row again. Returns the indices whose
         token the matcher has accepted (on_token then skips accepting it). A request whose matcher
-        raises is handed to `fail` and the others go on."""
+        raises fails alone (faults.py) and the others go on."""
         first = masks[1] if masks is not None else {}
         accepted = set()
         for k, req in enumerate(reqs):
@@ -209,7 +209,7 @@ class GrammarManager:
                     if not req.grammar.accept_token(next_ids[k]):
                         continue  # unreachable (the mask allows it); on_token reports it
             except Exception as e:  # noqa: BLE001
-                fail(req, "advancing its grammar", e)
+                fail_request(req, "advancing its grammar", e)
                 continue
             accepted.add(k)
         return accepted

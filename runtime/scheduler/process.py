@@ -16,7 +16,7 @@ import time
 import msgspec
 import zmq
 
-from plait.runtime.managers.io_struct import (
+from plait.runtime.ipc.messages import (
     AbortReq,
     BatchTokenOut,
     ControlReply,
@@ -29,8 +29,9 @@ from plait.runtime.managers.io_struct import (
     TokenOut,
     ToScheduler,
 )
-from plait.runtime.distributed.worker import RankPlace, join
-from plait.runtime.managers.ipc import Addresses, BadMessage, Receiver, Sender, die_with_parent, parent_alive
+from plait.runtime.distributed.place import RankPlace, join
+from plait.runtime.ipc.channels import Addresses, BadMessage, Receiver, Sender
+from plait.runtime.lifetime import die_with_parent, parent_alive
 from plait.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -60,13 +61,13 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, place: RankPlace, 
         ctx = zmq.Context()
         inbox = Receiver(ctx, addrs.scheduler_of(place.replica), ToScheduler)
         out = Sender(ctx, addrs.detokenizer)
-        runner = ModelRunner(args, group=join(args, place))
+        runner = ModelRunner(args, group=join(place))
         scheduler = Scheduler(args, runner, lambda outs: out.send(BatchTokenOut(outs)))
         # the worker is waited for where its start-up would take cores from the first forwards
-        scheduler.grammars.warm_up(spawned, wait=args.takes_every_core())
+        scheduler.warm_up(spawned, wait=args.takes_every_core())
         reply["limits"] = msgspec.to_builtins(scheduler.limits)
     try:
-        _Loop(scheduler, inbox, out, ppid, place.replica).run()
+        _Loop(scheduler, runner, inbox, out, ppid, place.replica).run()
         runner.stop()  # orphaned: the other ranks stop too (a failed collective skips this and fails them)
         runner.group.close()
     finally:
@@ -82,8 +83,9 @@ def _malloc_trim():
 
 
 class _Loop:
-    def __init__(self, scheduler, inbox: Receiver, out: Sender, ppid: int, replica: int = 0):
+    def __init__(self, scheduler, runner, inbox: Receiver, out: Sender, ppid: int, replica: int = 0):
         self.scheduler = scheduler
+        self.runner = runner
         self.replica = replica
         self.inbox = inbox
         self.out = out
@@ -100,7 +102,7 @@ class _Loop:
                 while not self.inbox.poll(1000):  # idle: wake once a second to notice an orphaning
                     if not parent_alive(self.ppid):
                         return
-                    self.scheduler.runner.tick()  # and tell the other ranks, if any, that rank 0 lives
+                    self.runner.tick()  # and tell the other ranks, if any, that rank 0 lives
             while (msg := self._recv()) is not None:
                 self._handle(msg)
             before = self.scheduler.tokens_generated

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from plait.runtime.managers.io_struct import FinishReason, TokenizedGenerateReq
+from plait.runtime.ipc.messages import FinishReason, TokenizedGenerateReq
 from plait.runtime.sampling.params import SamplingParams
 
 
@@ -58,6 +58,7 @@ class Req:
         self.cached_tokens = -1  # prompt tokens served from the radix cache at admission; -1 until admitted
         self.num_retractions = 0
         self.finish: FinishReason | None = None
+        self.failed = False  # ended by a fault of its own (faults.py)
         self.arrival = time.perf_counter()
         self.queue_time: float | None = None  # set at first admission
         self.queue_time_sent = False

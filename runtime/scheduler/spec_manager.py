@@ -33,9 +33,11 @@ EAGLE head then skips its pass over decoded positions.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from plait.runtime.model_executor.forward_batch import ForwardMode
+from plait.runtime.forward.batch import ForwardMode
 from plait.runtime.model_executor.model_runner import tree_depths
 from plait.runtime.scheduler.grammar_manager import GrammarManager, Masks
 from plait.runtime.scheduler.req import Req
@@ -48,6 +50,8 @@ _EMA = 0.3  # weight of the latest measurement in the running means of a draft s
 # a batch size whose steps with drafts measured fewer tokens a second than its steps without drafts still
 # drafts once in this many steps, so its rate stays current
 _PROBE_EVERY = 16
+
+logger = logging.getLogger(__name__)
 
 
 class SpecManager:
@@ -116,9 +120,19 @@ class SpecManager:
              context_length: int) -> None:
         """After the step's tokens are committed: speculative drafts for the requests in `took` (those that
         took tokens) that drafted nothing else (or only forced text, where the drafter may follow it). The
-        drafter first sees every position the forward committed (`features`: the target's, per work item)."""
+        drafter first sees every position the forward committed (`features`: the target's, per work item).
+        Drafts only save time: a fault while planning them costs this step its drafts, nothing else."""
         if self.drafter is None:
             return
+        try:
+            self._plan(took, batch, items, features, context_length)
+        except Exception:  # noqa: BLE001
+            logger.exception("planning speculative drafts failed; this step drafts nothing")
+            for req in took:
+                req.drop_draft(guess_only=True)
+
+    def _plan(self, took: list[Req], batch: list[tuple[Req, int]], items: list, features: list | None,
+              context_length: int) -> None:
         caps = {req: self._cap(req, context_length) for req in took}
         cands = [req for req, cap in caps.items() if cap > 0]
         limits = [caps[r] for r in cands]

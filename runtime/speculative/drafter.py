@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     import torch
 
     from plait.runtime.model_executor.model_runner import ModelRunner
-    from plait.runtime.scheduler.req import Req
-    from plait.runtime.server_args import ServerArgs
+    from plait.runtime.sampling.params import SamplingParams
+    from plait.runtime.speculative.config import DraftConfig
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,27 @@ ALGORITHMS: dict[str, Algorithm] = {
     "STANDALONE": Algorithm("standalone", "a draft model of the target's vocabulary (GGUF file, HF folder or "
                                           "packaged model name)"),
 }
+
+
+class Req(Protocol):
+    """What drafters and verification read of a scheduler's request (its `Req`); they write only
+    `verified_rows`. Hashable: drafts are keyed by request."""
+
+    row: int  # its row of the request-to-KV-slot table
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    fill_ids: list[int]  # prompt + output
+    prompt_len: int
+    output_len: int
+    seq_len: int
+    cached_len: int  # tokens whose KV is written
+    draft: list[int]  # drafted tokens at the end of output_ids, not yet verified
+    verified_rows: list[int] | None  # a tree's kept path, for the drafter's features
+    finish: object | None  # its FinishReason once it ended
+    params: SamplingParams
+    generator: torch.Generator | None
+    return_logprob: bool
+    top_logprobs_num: int
 
 
 @dataclass
@@ -94,11 +115,11 @@ class Drafter(Protocol):
     def stats(self) -> dict: ...
 
 
-_FACTORIES: dict[str, Callable[[ServerArgs, ModelRunner], Drafter]] = {}
+_FACTORIES: dict[str, Callable[[DraftConfig, ModelRunner], Drafter]] = {}
 
 
 def register(*names: str):
-    """Decorator: `factory(args, runner) -> Drafter` builds the drafter for these algorithm names."""
+    """Decorator: `factory(config, runner) -> Drafter` builds the drafter for these algorithm names."""
     def wrap(factory):
         for name in names:
             _FACTORIES[name] = factory
@@ -106,7 +127,7 @@ def register(*names: str):
     return wrap
 
 
-def build_drafter(args: ServerArgs, runner: ModelRunner) -> Drafter | None:
+def build_drafter(args: DraftConfig, runner: ModelRunner) -> Drafter | None:
     name = args.speculative_algorithm
     if name is None:
         return None

@@ -12,7 +12,7 @@ chain of its steps guesses several tokens for one read of its small weights:
   target id (target = draft + d2t[draft]). Later steps feed the layer's own output back as `hidden`.
 
 The layer's attention is its caller's (runtime/speculative/eagle_worker.py attends over a paged
-pool; runtime/speculative/train.py over a masked block): the head only projects `qkv` and finishes.
+pool; plait/train_eagle.py over a masked block): the head only projects `qkv` and finishes.
 Inference multiplies through plait's linear layers (C kernels); training through `F.linear`.
 """
 

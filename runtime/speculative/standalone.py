@@ -28,7 +28,7 @@ from torch import nn
 
 from plait.kernels import cpu_quant
 from plait.radix_cache.memory_pool import KVPool
-from plait.runtime.model_executor.forward_batch import ForwardBatch, ForwardMode, build_group
+from plait.runtime.forward.batch import ForwardBatch, ForwardMode, build_group
 from plait.runtime.model_executor.graph_runner import build_graph_runner
 from plait.runtime.model_loader import load_model
 from plait.runtime.speculative.drafter import Draft, DraftStep, Proposal, register

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from plait.runtime.managers.io_struct import TokenizedGenerateReq
+from plait.runtime.ipc.messages import TokenizedGenerateReq
 from plait.runtime.sampling.params import INT64_MAX
 
 MAX_TOP_LOGPROBS = 20  # the hard ceiling; --max-top-logprobs may set a lower one

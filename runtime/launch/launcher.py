@@ -5,7 +5,7 @@ their shard of each step rank 0 broadcasts (runtime/distributed/). With --dp-siz
 groups (replicas), each with its own scheduler inbox and its own torch.distributed world. With
 --nnodes > 1 a machine starts only its own ranks; node 0 also serves (`launch_node` on the others).
 
-Each child is a fresh interpreter (`python -m plait.runtime.managers.proc_main`): no fork of a threaded
+Each child is a fresh interpreter (`python -m plait.runtime.launch.proc_main`): no fork of a threaded
 parent, and no re-import of the user's main module (so scripts need no `__main__` guard). It
 gets its configuration as JSON on stdin, gets SIGKILL when the parent dies, and reports
 readiness or its start-up traceback as one JSON line on a pipe.
@@ -27,9 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from plait.runtime.distributed.worker import RankPlace
-from plait.runtime.managers.ipc import STOP_SIGNAL, Addresses, remove_dir
-from plait.runtime.managers.limits import RuntimeLimits
+from plait.runtime.distributed.place import RankPlace
+from plait.runtime.ipc.channels import Addresses, remove_dir
+from plait.runtime.lifetime import STOP_SIGNAL
+from plait.runtime.ipc.limits import RuntimeLimits
 from plait.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,8 @@ def _processes(args: ServerArgs) -> list[tuple[str, str, RankPlace]]:
         dp = f"-dp{replica}" if replica else ""
         for rank in range(first, first + per_node):
             role = "scheduler" if rank == 0 else "rank"
-            out.append((f"scheduler{dp}" if rank == 0 else f"rank{rank}{dp}", role, RankPlace(rank, replica, addr)))
+            place = RankPlace(rank, replica, addr, args.tp_size, args.ep_size > 1, args.dist_timeout, args.nnodes == 1)
+            out.append((f"scheduler{dp}" if rank == 0 else f"rank{rank}{dp}", role, place))
     if args.node_rank == 0:
         out.append(("detokenizer", "detokenizer", RankPlace()))
     return out
@@ -116,7 +118,7 @@ def launch_runtime(args: ServerArgs) -> RuntimeProcesses:
     try:
         for name, role, place in _processes(args):
             r, w = os.pipe()
-            proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.managers.proc_main", role, str(w)],
+            proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.launch.proc_main", role, str(w)],
                                     stdin=subprocess.PIPE, pass_fds=(w,), env=_child_env(role))
             os.close(w)  # the child holds the only writer: EOF here means it died
             proc.stdin.write((json.dumps({**base, "place": dataclasses.asdict(place)}) + "\n").encode())

@@ -30,7 +30,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from plait.runtime.managers.io_struct import (
+from plait.runtime.ipc.messages import (
     AbortReq,
     BatchStrOut,
     ControlReply,
@@ -43,8 +43,8 @@ from plait.runtime.managers.io_struct import (
     TokenizedGenerateReq,
     ToClient,
 )
-from plait.runtime.managers.launcher import RuntimeProcesses
-from plait.runtime.managers.limits import check_json_value, check_kv_joins, check_request_work, validate_request
+from plait.runtime.launch.launcher import RuntimeProcesses
+from plait.runtime.ipc.limits import check_json_value, check_kv_joins, check_request_work, validate_request
 from plait.runtime.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)

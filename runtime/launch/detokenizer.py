@@ -84,8 +84,9 @@ def run_detokenizer_process(args, addrs, ready) -> None:
     import msgspec
     import zmq
 
-    from plait.runtime.managers.io_struct import BatchStrOut, BatchTokenOut, FinishReason, StrOut, ToDetokenizer
-    from plait.runtime.managers.ipc import BadMessage, Receiver, Sender, die_with_parent, parent_alive
+    from plait.runtime.ipc.messages import BatchStrOut, BatchTokenOut, FinishReason, StrOut, ToDetokenizer
+    from plait.runtime.ipc.channels import BadMessage, Receiver, Sender
+    from plait.runtime.lifetime import die_with_parent, parent_alive
 
     die_with_parent(addrs.root)
     ppid = os.getppid()
@@ -136,7 +137,7 @@ def run_detokenizer_process(args, addrs, ready) -> None:
 
 def _detokenize(decoders: dict[str, IncrementalDecoder], tokenizer, o) -> str:
     """The newly visible text of one request's output."""
-    from plait.runtime.managers.io_struct import DecodeSpec
+    from plait.runtime.ipc.messages import DecodeSpec
 
     dec = decoders.get(o.rid)
     if dec is None:

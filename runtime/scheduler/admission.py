@@ -1,0 +1,164 @@
+"""Admission and retraction: which requests run in the next forward, and which give their KV back.
+
+Every running request that decodes gets one slot; waiting requests are admitted as prefill chunks under
+a token budget (`max_prefill_tokens`, `chunked_prefill_size`) while the KV left covers a share of what
+the running ones will still generate. When KV runs out, the cache is evicted first (KVManager), then the
+newest running requests are retracted to the front of the queue: their computed tokens stay cached, so
+resuming is cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+from plait.radix_cache.radix_cache import common_prefix_len
+from plait.runtime.ipc.messages import FinishReason
+from plait.runtime.scheduler.kv_manager import KVManager
+from plait.runtime.scheduler.policy import fair_order, order_waiting
+from plait.runtime.scheduler.req import Req
+
+logger = logging.getLogger(__name__)
+
+# admission reserves this share of each request's remaining decode budget; it decays while
+# nothing is retracted and jumps back up after a retraction (SGLang's new_token_ratio)
+_RATIO_INIT, _RATIO_MIN, _RATIO_DECAY = 0.7, 0.1, 0.002
+# a waiting request sharing at least this many more tokens with one admitted in the same step
+# than with the cache waits one step, so it reuses that one's prefix instead of recomputing it
+_IN_BATCH_SHARE = 32
+# the most of a request's remaining decode budget that admission reserves room for
+_RESERVE_CAP = 4096
+
+Batch = list[tuple[Req, int]]  # (request, tokens it feeds this forward)
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_prefill_tokens: int
+    chunked_prefill_size: int  # <= 0: no chunking
+    max_running_requests: int
+    schedule_policy: str
+
+    @classmethod
+    def of(cls, args) -> "AdmissionConfig":
+        """This config's fields taken from `args` (a ServerArgs), which names them the same."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+class Admission:
+    """Owns the queues: `waiting` (not holding KV) and `running` (admitted, prefilling or decoding)."""
+
+    def __init__(self, config: AdmissionConfig, kv: KVManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.new_token_ratio = _RATIO_INIT
+        self.num_retracted = 0
+
+    def stuck(self) -> None:
+        """No batch could be formed: free memory by retracting, or fail what can never run (reap it)."""
+        if len(self.running) > 1:
+            self.retract(self.running[-1])
+            return
+        req = self.running[0] if self.running else self.waiting[0]
+        req.finish = FinishReason("abort", message="request does not fit the KV cache")
+
+    def stepped(self) -> None:
+        """A forward ran: reserve a little less for running requests next time (a retraction resets it)."""
+        self.new_token_ratio = max(_RATIO_MIN, self.new_token_ratio - _RATIO_DECAY)
+
+    def retract(self, req: Req) -> None:
+        req.drop_draft()
+        self.kv.release(req)  # its computed tokens stay in the cache: resuming is cheap
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+        self.num_retracted += 1
+        req.num_retractions += 1
+        self.new_token_ratio = _RATIO_INIT
+        logger.debug("retracted %s at %d tokens", req.rid, req.seq_len)
+
+    def reserve_decode(self) -> Batch:
+        """One slot for every decoding request, retracting the newest ones while short (a request that cannot
+        grow at all finishes: reap it before `admit`)."""
+        decoding = [r for r in self.running if r.pending_len == 1]
+        out: Batch = []
+        while decoding:
+            req = decoding.pop(0)
+            while not self.kv.reserve(req, 1):
+                victim = self._pick_victim(exclude=req)
+                if victim is None:  # nothing left to retract: this request cannot grow
+                    req.finish = FinishReason("length", message="KV cache is full")
+                    break
+                if victim in decoding:
+                    decoding.remove(victim)
+                out = [(r, n) for r, n in out if r is not victim]
+                self.retract(victim)
+            if req.finish is None:
+                out.append((req, 1))
+        return out
+
+    def _pick_victim(self, exclude: Req) -> Req | None:
+        candidates = [r for r in self.running if r is not exclude and r.finish is None]
+        return candidates[-1] if candidates else None
+
+    def _continue_prefills(self, budget: int, chunk_cap: int) -> Batch:
+        out: Batch = []
+        for req in self.running:
+            if req.pending_len > 1 and budget > 0:
+                n = min(req.pending_len, chunk_cap, budget)
+                if req.draft and n < req.pending_len:
+                    continue  # a draft is verified in one forward
+                if not self.kv.reserve(req, n):
+                    break
+                out.append((req, n))
+                budget -= n
+        return out
+
+    def admit(self, budget: int) -> Batch:
+        """Prefill chunks for requests already prefilling, then for newly admitted ones."""
+        cfg = self.config
+        chunk_cap = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else 1 << 30
+        out = self._continue_prefills(budget, chunk_cap)
+        budget -= sum(n for _, n in out)
+        if budget <= 0 or not self.waiting:
+            return out
+        ordered = fair_order(order_waiting(self.waiting, cfg.schedule_policy, self.kv), self.running)
+        reserved = sum(min(r.remaining_tokens(), _RESERVE_CAP) for r in self.running) * self.new_token_ratio
+        admitted: list[Req] = []
+        prefilling = [r for r in self.running if r.pending_len > 1]  # their prefixes reach the cache soon
+        for req in ordered:
+            if budget <= 0 or len(self.running) >= cfg.max_running_requests:
+                break
+            cached = self.kv.match_len(req)
+            if (admitted or prefilling) and self._should_wait_for_sibling(req, cached, admitted + prefilling):
+                continue
+            n = min(req.seq_len - cached, chunk_cap, budget)
+            future = min(req.remaining_tokens(), _RESERVE_CAP) * self.new_token_ratio
+            if self.running and (self.kv.available() - reserved < n + future  # room for what running ones will generate
+                                 or self.kv.window_room() < n + self.kv.window):
+                break
+            if not self.kv.admit(req):
+                break
+            n = min(req.pending_len, chunk_cap, budget)
+            if not self.kv.reserve(req, n):
+                self.kv.release(req)
+                break
+            self._start(req)
+            admitted.append(req)
+            out.append((req, n))
+            budget -= n
+            reserved += future
+        return out
+
+    def _start(self, req: Req) -> None:
+        self.waiting.remove(req)
+        self.running.append(req)
+        if req.queue_time is None:  # first admission (a retracted request keeps its first wait)
+            req.queue_time = time.perf_counter() - req.arrival
+
+    def _should_wait_for_sibling(self, req: Req, cached: int, siblings: list[Req]) -> bool:
+        shared = max(common_prefix_len(req.fill_ids, other.fill_ids) for other in siblings)
+        return shared - cached >= _IN_BATCH_SHARE
