@@ -24,12 +24,10 @@ With a `WindowedKVAllocator` (a model with sliding-window layers) a node's token
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 
 from plait.radix_cache.memory_pool import KVAllocator, WindowedKVAllocator
+from plait.radix_cache.prefix_cache import CacheStats, MatchResult
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -51,24 +49,6 @@ class TreeNode:
 
     def __lt__(self, other: "TreeNode") -> bool:  # heap order for LRU eviction
         return self.last_access < other.last_access
-
-
-class MatchResult(NamedTuple):
-    indices: torch.Tensor  # KV slots of the matched prefix
-    node: TreeNode  # deepest matched node (lock it to keep the prefix alive)
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    total_tokens: int
-    evictable_tokens: int
-    protected_tokens: int
-    hit_tokens: int
-    query_tokens: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
 def intact_prefix(live: torch.Tensor, window: int, page_size: int) -> int:
@@ -96,6 +76,10 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class RadixCache:
+    """A PrefixCache (prefix_cache.py) over a radix tree of token ids; its invariants are in the module docstring."""
+
+    supports_joins = True
+
     def __init__(self, allocator: KVAllocator, page_size: int = 1):
         self.allocator = allocator
         self.page_size = page_size

@@ -1,11 +1,14 @@
 """Radix cache: unit checks and a Hypothesis state machine against a naive model of the cache."""
 
+import inspect
+
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from plait.radix_cache import KVAllocator, NoCache, RadixCache
+from plait.radix_cache import KVAllocator, NoCache, PrefixCache, RadixCache
 
 
 def _alloc(allocator: KVAllocator, n: int) -> torch.Tensor:
@@ -71,7 +74,20 @@ def test_no_cache_keeps_nothing():
     alloc = KVAllocator(16)
     cache = NoCache(alloc)
     assert cache.insert([1, 2, 3], torch.tensor([1, 2, 3])) == 3  # all slots stay the caller's
-    assert cache.match_prefix([1, 2, 3]).indices.numel() == 0
+    match = cache.match_prefix([1, 2, 3])
+    assert match.indices.numel() == 0
+    with pytest.raises(ValueError, match="radix cache"):
+        cache.insert_join(match.node, "j", [4], torch.tensor([4]))
+
+
+@pytest.mark.parametrize("cls", [RadixCache, NoCache])
+def test_both_caches_implement_the_prefix_cache_interface(cls):
+    cache = cls(KVAllocator(16))
+    assert isinstance(cache, PrefixCache)
+    for name, member in vars(PrefixCache).items():
+        if callable(member) and not name.startswith("_"):
+            assert inspect.signature(getattr(cls, name)).parameters.keys() == \
+                inspect.signature(member).parameters.keys(), name
 
 
 def test_paged_allocator_extends_within_a_page():

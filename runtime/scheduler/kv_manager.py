@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from plait.radix_cache import KVAllocator, NoCache, RadixCache, ReqToTokenPool
+from plait.radix_cache import KVAllocator, NoCache, PrefixCache, RadixCache, ReqToTokenPool
 from plait.radix_cache.memory_pool import WindowedKVAllocator
 from plait.runtime.scheduler.req import Req
 
@@ -36,7 +36,7 @@ class KVManager:
         self.req_to_token = req_to_token
         self.page_size = allocator.page_size
         self.use_cache = use_cache
-        self.cache = RadixCache(allocator, self.page_size) if use_cache else NoCache(allocator, self.page_size)
+        self.cache: PrefixCache = RadixCache(allocator, self.page_size) if use_cache else NoCache(allocator, self.page_size)
 
     @property
     def table(self) -> torch.Tensor:
@@ -146,7 +146,7 @@ class KVManager:
         tokens and must be cached whole (the client prefilled them). parts[0] is reused in place;
         the later parts' KV is copied to new slots by `copy_kv(src, dst, shift)` (keys re-rotated
         by `shift` positions) and filed under a join edge, so only requests naming `join_id` use it."""
-        if not self.use_cache or self.page_size != 1:
+        if not self.cache.supports_joins or self.page_size != 1:
             return JoinResult(False, "needs the radix cache with page size 1")
         if self.window:
             return JoinResult(False, "not for a model whose sliding-window layers keep only their window")
