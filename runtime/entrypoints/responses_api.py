@@ -18,11 +18,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from plait.runtime.entrypoints.http_server import (HTTPError, ServerState, constrained, first_or_disconnect, started)
-from plait.runtime.entrypoints.openai_api import ChatView, ChatReply, body_doc, chat_requests, finish_reason, parse_body
+from plait.runtime.entrypoints.common import (HTTPError, ServerState, constrained, first_or_disconnect, server_state,
+                                              started)
+from plait.runtime.entrypoints.openai_api import body_doc, chat_requests, parse_body
+from plait.runtime.entrypoints.openai_render import ChatReply, ChatView, finish_reason
 from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest, InputItem, ResponsesRequest
 from plait.runtime.entrypoints.tool_calls import wire_call
 from plait.runtime.client.runtime_client import ReqState
@@ -55,71 +57,83 @@ class _Store:
         return self.items[rid]
 
 
-def add_responses_routes(app: FastAPI, state: ServerState) -> None:
-    store = _Store()
+router = APIRouter()
 
-    @app.post("/v1/responses", openapi_extra=body_doc(ResponsesRequest))
-    async def create(request: Request):
-        req = await parse_body(request, ResponsesRequest, state)
-        history = store.get(req.previous_response_id, "Previous response").history if req.previous_response_id \
-            else []
-        turn = _turn_messages(req)
-        chat = _chat_request(req, history + turn)
-        msgs, inside = await asyncio.to_thread(chat_requests, state, chat)
-        states = state.client.submit(msgs)
-        run = _Run(state, req, chat, states, inside)
-        stored = _Stored(run.response("in_progress" if not req.background else "queued"),
-                         _input_items(req), history + turn, states=states) if req.store else None
-        gen = state.client.results(states, req.stream, single=False)
+
+def _store(state: ServerState) -> "_Store":
+    """The app's stored responses (made on first use)."""
+    if state.responses is None:
+        state.responses = _Store()
+    return state.responses
+
+
+@router.post("/v1/responses", openapi_extra=body_doc(ResponsesRequest))
+async def create(request: Request, state: ServerState = Depends(server_state)):
+    store = _store(state)
+    req = await parse_body(request, ResponsesRequest, state)
+    history = store.get(req.previous_response_id, "Previous response").history if req.previous_response_id \
+        else []
+    turn = _turn_messages(req)
+    chat = _chat_request(req, history + turn)
+    msgs, inside = await asyncio.to_thread(chat_requests, state, chat)
+    states = state.client.submit(msgs)
+    run = _Run(state, req, chat, states, inside)
+    stored = _Stored(run.response("in_progress" if not req.background else "queued"),
+                     _input_items(req), history + turn, states=states) if req.store else None
+    gen = state.client.results(states, req.stream, single=False)
+    if stored is not None:
+        store.put(stored)  # retrievable while it runs
+    if req.background:
+        stored.task = asyncio.ensure_future(_finish_in_background(state, run, gen, stored, store))
+        return JSONResponse(stored.response)
+    if req.stream:
+        if constrained(msgs):
+            gen = await started(request, state.client, gen)
+        return StreamingResponse(_events(request, run, gen, store, stored), media_type="text/event-stream")
+    try:
+        await first_or_disconnect(request, state.client, gen)
+    except Exception:
         if stored is not None:
-            store.put(stored)  # retrievable while it runs
-        if req.background:
-            stored.task = asyncio.ensure_future(_finish_in_background(state, run, gen, stored, store))
-            return JSONResponse(stored.response)
-        if req.stream:
-            if constrained(msgs):
-                gen = await started(request, state.client, gen)
-            return StreamingResponse(_events(request, run, gen, store, stored), media_type="text/event-stream")
+            stored.response = run.response("failed")
+        raise
+    _settle(run, stored, store)
+    return JSONResponse(run.response())
+
+@router.get("/v1/responses/{rid}")
+async def retrieve(rid: str, state: ServerState = Depends(server_state)):
+    store = _store(state)
+    return store.get(rid).response
+
+@router.get("/v1/responses/{rid}/input_items")
+async def input_items(rid: str, state: ServerState = Depends(server_state)):
+    store = _store(state)
+    items = store.get(rid).input_items
+    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None, "has_more": False}
+
+@router.post("/v1/responses/{rid}/cancel")
+async def cancel(rid: str, state: ServerState = Depends(server_state)):
+    store = _store(state)
+    stored = store.get(rid)
+    if not stored.response.get("background"):
+        raise HTTPError(400, "Only responses created with background=true can be cancelled.")
+    if stored.task is not None and not stored.task.done():
+        stored.task.cancel()  # closing its generator aborts its requests
         try:
-            await first_or_disconnect(request, state.client, gen)
-        except Exception:
-            if stored is not None:
-                stored.response = run.response("failed")
-            raise
-        _settle(run, stored, store)
-        return JSONResponse(run.response())
+            await stored.task
+        except asyncio.CancelledError:
+            pass
+        stored.response = {**stored.response, "status": "cancelled"}
+    return stored.response
 
-    @app.get("/v1/responses/{rid}")
-    async def retrieve(rid: str):
-        return store.get(rid).response
-
-    @app.get("/v1/responses/{rid}/input_items")
-    async def input_items(rid: str):
-        items = store.get(rid).input_items
-        return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
-                "last_id": items[-1]["id"] if items else None, "has_more": False}
-
-    @app.post("/v1/responses/{rid}/cancel")
-    async def cancel(rid: str):
-        stored = store.get(rid)
-        if not stored.response.get("background"):
-            raise HTTPError(400, "Only responses created with background=true can be cancelled.")
-        if stored.task is not None and not stored.task.done():
-            stored.task.cancel()  # closing its generator aborts its requests
-            try:
-                await stored.task
-            except asyncio.CancelledError:
-                pass
-            stored.response = {**stored.response, "status": "cancelled"}
-        return stored.response
-
-    @app.delete("/v1/responses/{rid}")
-    async def delete(rid: str):
-        stored = store.get(rid)
-        if stored.task is not None and not stored.task.done():
-            stored.task.cancel()
-        del store.items[rid]
-        return {"id": rid, "object": "response.deleted", "deleted": True}
+@router.delete("/v1/responses/{rid}")
+async def delete(rid: str, state: ServerState = Depends(server_state)):
+    store = _store(state)
+    stored = store.get(rid)
+    if stored.task is not None and not stored.task.done():
+        stored.task.cancel()
+    del store.items[rid]
+    return {"id": rid, "object": "response.deleted", "deleted": True}
 
 
 # ---- request ------------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ import uuid
 from typing import Any
 
 from plait.runtime.entrypoints.lark import TokenId, embedded_json, literal
-from plait.runtime.entrypoints.openai_protocol import Tool
+from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest, Tool
+from plait.runtime.parsers import ToolCallParser
 from plait.runtime.parsers.tool_call import Call, call_of, json_values
 
 
@@ -126,3 +127,12 @@ def either_parse(text: str, tools: list[Tool]) -> list[Call]:
         return []
     call = call_of(data, {t.function.name for t in tools})
     return [call] if call is not None and set(data) == {"name", "arguments"} else []
+
+
+def tool_mode(req: ChatCompletionRequest, parser: ToolCallParser) -> str:
+    """req.tool_mode(), or "either" for tools in auto mode beside a json_schema response format where the family's
+    calls cannot be written by a grammar (the output is then the JSON of a call or of the final object)."""
+    mode = req.tool_mode()
+    if mode == "auto" and req.grammar().get("json_schema") is not None and parser.call_tags is None:
+        return "either"
+    return mode
