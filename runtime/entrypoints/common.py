@@ -12,7 +12,7 @@ from typing import AsyncIterator, Collection
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from plait.runtime.client.runtime_client import QueueFull, RequestFailed, RuntimeClient, RuntimeDead
+from plait.runtime.client import QueueFull, RequestFailed, RuntimeClient, RuntimeDead
 from plait.runtime.entrypoints.http_guard import error_body, parse_json_body, shown
 from plait.runtime.launch.launcher import RuntimeProcesses
 from plait.runtime.parsers import ReasoningParser, ToolCallParser

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Iterator
 
 from plait.runtime.launch.launcher import launch_runtime
 from plait.runtime.server_args import ServerArgs
-from plait.runtime.client.runtime_client import GenerateInput, RuntimeClient
+from plait.runtime.client import GenerateInput, RuntimeClient
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from plait.runtime.client.runtime_client import QueueFull, RequestFailed, RuntimeClient, RuntimeDead
+from plait.runtime.client import QueueFull, RequestFailed, RuntimeClient, RuntimeDead
 from plait.runtime.entrypoints.common import (HTTPError, ServerState, error_response, served_model_name,
                                               validation_message, version)
 from plait.runtime.entrypoints.connections import ConnectionLimits, guarded_protocol

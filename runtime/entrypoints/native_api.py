@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from plait.runtime.client.runtime_client import GenerateInput, RuntimeDead
+from plait.runtime.client import GenerateInput, RuntimeDead
 from plait.runtime.entrypoints.common import (HTTPError, ServerState, constrained, first_or_disconnect, read_json,
                                               refuse_unknown, server_state, sse, started, version)
 from plait.runtime.ipc.limits import MAX_JOIN_ID_CHARS, MAX_KV_JOINS

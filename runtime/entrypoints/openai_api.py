@@ -24,7 +24,7 @@ from plait.runtime.ipc.messages import TokenizedGenerateReq
 from plait.runtime.ipc.limits import validate_request
 from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 from plait.runtime.sampling import SamplingParams
-from plait.runtime.client.runtime_client import ReqState, RuntimeClient
+from plait.runtime.client import ReqState, RuntimeClient
 from plait.runtime.entrypoints.lark import after_reasoning, json_body
 from plait.runtime.entrypoints.tool_calls import either_grammar, either_schema, tool_call_schema, tool_mode
 from plait.runtime.entrypoints.openai_render import ChatView, CompletionView, View

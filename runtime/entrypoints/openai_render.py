@@ -11,7 +11,7 @@ from typing import Any
 
 from plait.runtime.entrypoints.common import (ServerState)
 from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
-from plait.runtime.client.runtime_client import ReqState
+from plait.runtime.client import ReqState
 from plait.runtime.entrypoints.tool_calls import (either_parse, parse_constrained,
                                                   wire_call)
 from plait.runtime.entrypoints.tool_calls import tool_mode

@@ -27,7 +27,7 @@ from plait.runtime.entrypoints.openai_api import body_doc, chat_requests, parse_
 from plait.runtime.entrypoints.openai_render import ChatReply, ChatView, finish_reason
 from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest, InputItem, ResponsesRequest
 from plait.runtime.entrypoints.tool_calls import wire_call
-from plait.runtime.client.runtime_client import ReqState
+from plait.runtime.client import ReqState
 
 _STORE_SIZE = 1024  # stored responses kept (the oldest dropped first)
 _EXTRAS = {"top_k", "min_p", "repetition_penalty", "stop", "ignore_eos", "regex", "ebnf"}  # passed on to chat
