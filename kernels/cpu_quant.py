@@ -185,8 +185,7 @@ def _q6_values(blocks: torch.Tensor) -> torch.Tensor:
     return (q - 32).float()
 
 
-# rows converted at a time (a multiple of TILE): the repacks' byte-wide intermediates stay a few MB (an LM head
-# has 150k rows)
+# rows converted at a time (a multiple of TILE): the repacks' intermediates stay a few MB (an LM head: 150k rows)
 _CHUNK_ROWS = 2048
 
 

@@ -10,7 +10,8 @@ from plait.lang.backends.endpoint import RuntimeEndpoint
 from plait.lang.backends.openai import OpenAI
 from plait.lang.backends.runtime import Runtime
 from plait.lang.global_config import global_config
-from plait.lang.interpreter import ForkGroup, ProgramState, ProgramStateGroup
+from plait.lang.fork import ForkGroup, ProgramStateGroup
+from plait.lang.interpreter import ProgramState
 
 __all__ = ["Backend", "ForkGroup", "OpenAI", "ProgramState", "ProgramStateGroup", "Runtime", "RuntimeEndpoint",
            "SglFunction", "assistant", "assistant_begin", "assistant_end", "flush_cache", "function", "gen", "gen_int",

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any, AsyncIterator, Iterator
 
 from plait.lang.backends.base import Call
+from plait.lang.fork import ForkGroup
 from plait.lang.global_config import global_config
 from plait.lang.ir import (REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, Expr, Gen, JoinBranches, Media, RoleBegin,
                            RoleEnd, Select, SeparateReasoning, Seq, Text, Variable, VarScopeBegin, VarScopeEnd,
@@ -317,7 +318,7 @@ class ProgramState:
         elif isinstance(expr, VarScopeEnd):
             if expr.name not in self._scopes:
                 raise ValueError(f"var_scope {expr.name!r} ends without a beginning")
-            self._set(expr.name, self.text_[self._scopes.pop(expr.name):], {})
+            self.put(expr.name, self.text_[self._scopes.pop(expr.name):], {})
         elif isinstance(expr, Variable):
             self._fill(str(self.variables[expr.name]))
         elif isinstance(expr, SeparateReasoning):
@@ -370,7 +371,7 @@ class ProgramState:
             self._append(out, g.name, meta)
         if g.name is not None:
             self._spans[g.name] = (start, len(self.text_))
-        self._set(g.name, out, meta)
+        self.put(g.name, out, meta)
 
     def _on_piece(self, delta: str, meta: dict, name: str | None) -> None:
         if not delta:  # e.g. tokens held back while a UTF-8 sequence or stop string is incomplete
@@ -407,7 +408,7 @@ class ProgramState:
         self._append(sel.choices[index], sel.name, meta)
         if sel.name is not None:
             self._spans[sel.name] = (start, len(self.text_))
-        self._set(sel.name, sel.choices[index], meta)
+        self.put(sel.name, sel.choices[index], meta)
 
     def _separate_reasoning(self, expr: SeparateReasoning) -> None:
         for name in expr.names:
@@ -416,8 +417,8 @@ class ProgramState:
             if start is not None and not self.stream:  # a streamed text has been shown already
                 with self._cond:
                     self.text_ = self.text_[:start] + answer + self.text_[end:]
-            self._set(f"{name}_reasoning_content", reasoning, {})
-            self._set(name, answer, self.meta_info.get(name, {}))
+            self.put(f"{name}_reasoning_content", reasoning, {})
+            self.put(name, answer, self.meta_info.get(name, {}))
 
     def _join_branches(self, branches: list["ProgramState"]) -> None:
         texts = []
@@ -441,7 +442,8 @@ class ProgramState:
             return list(self.messages_)
         return [*self.messages_, {"role": self._role, "content": self.text_[self._role_start:]}]
 
-    def _set(self, name: str | None, value: Any, meta: dict) -> None:
+    def put(self, name: str | None, value: Any, meta: dict) -> None:
+        """Set a variable and its meta info, waking the readers waiting on it (None: nothing to set)."""
         if name is None:
             return
         with self._cond:
@@ -459,73 +461,3 @@ def _scope_ends(e: Expr) -> list[str]:
     if isinstance(e, Seq):
         return [n for item in e.items for n in _scope_ends(item)]
     return []
-
-
-class ForkGroup:
-    """The branches of `s.fork(n)` (SGLang's ProgramStateGroup): `+=` appends to every branch (a
-    callable is given each branch's index, a list gives one item per branch), `[i]` is branch i,
-    `[name]` gathers a variable from each branch as a list, `join()` ends the branches."""
-
-    def __init__(self, parent: ProgramState, states: list[ProgramState]):
-        self.parent = parent
-        self.states = states
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def __iter__(self):
-        return iter(self.states)
-
-    def __getitem__(self, key):
-        if isinstance(key, int):
-            return self.states[key]
-        return [s[key] for s in self.states]
-
-    def __setitem__(self, i: int, value: ProgramState) -> None:
-        # `forks[i] += x` assigns the branch back to itself; anything else would lose a branch
-        if value is not self.states[i]:
-            raise ValueError("a fork group's branches cannot be replaced (use forks[i] += ...)")
-
-    def __iadd__(self, other: Any) -> "ForkGroup":
-        if isinstance(other, (list, tuple)):
-            if len(other) != len(self.states):
-                raise ValueError(f"{len(other)} items for {len(self.states)} branches")
-            for s, item in zip(self.states, other):
-                s += item
-        elif callable(other) and not isinstance(other, Expr):
-            for i, s in enumerate(self.states):
-                s += other(i)
-        else:
-            for s in self.states:
-                s += other
-        return self
-
-    def join(self, mode: str = "gather_variable") -> None:
-        """gather_variable: each variable the branches made becomes, in the parent, the list of
-        their values. concate_and_append: the branches' texts are appended to the parent in order,
-        their KV reused where the backend can (global_config.enable_parallel_encoding)."""
-        if mode == "gather_variable":
-            self._gather()
-        elif mode == "concate_and_append":
-            self.parent += JoinBranches(list(self.states))
-            self.parent.sync()
-        else:
-            raise ValueError(f"join mode must be 'gather_variable' or 'concate_and_append', got {mode!r}")
-        for s in self.states:
-            s.end()
-
-    def _gather(self) -> None:
-        names: list[str] = []
-        for s in self.states:
-            s.sync()
-            names += [n for n in s.variables if n not in names and s.variables[n] is not self.parent.variables.get(n)]
-        self.parent.sync()
-        with self.parent._cond:
-            for n in names:
-                self.parent.variables[n] = [s.variables.get(n) for s in self.states]
-                self.parent.meta_info[n] = {"branches": [s.meta_info.get(n, {}) for s in self.states]}
-                self.parent._done_vars.add(n)
-
-
-
-ProgramStateGroup = ForkGroup  # SGLang's name
