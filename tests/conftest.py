@@ -48,9 +48,8 @@ def runner(runner_args):
 def hf_model():
     """transformers' LlamaForCausalLM with the default model's weights, loaded by transformers itself
     from the GGUF (its own dequantization and Q/K un-permutation: an independent reference)."""
-    from transformers import AutoModelForCausalLM
-
     from plait.runtime.server_args import default_model_path
+    from transformers import AutoModelForCausalLM
 
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(
@@ -62,3 +61,12 @@ def hf_model():
 def chat_prompt(tokenizer, text: str) -> str:
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                          add_generation_prompt=True)
+
+
+@pytest.fixture(scope="session")
+def backends(tokenizer):
+    """The three grammar backends over the default model's tokenizer (no model)."""
+    from plait.runtime.constrained import create_backend
+
+    eos = [tokenizer.eos_token_id]
+    return {name: create_backend(name, tokenizer, 49152, eos) for name in ("xgrammar", "llguidance", "outlines")}

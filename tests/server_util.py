@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import time
 import httpx
 
 THREADS = int(os.environ.get("PLAIT_TEST_THREADS", "1"))
+KEY = "test-key"  # the API key of api_server()
 
 
 def free_port() -> int:
@@ -110,3 +112,20 @@ async def slow_connection(port: int, kind: str, body: bytes, wait: float) -> tup
     sender.cancel()
     writer.close()
     return time.monotonic() - start, answer
+
+
+def api_server() -> "Server":
+    """The server the API tests share: metrics on, a small queue limit, and batch-invariant kernels (the tests
+    compare outputs across batches and cache states, in any dtype)."""
+    return Server("--max-total-tokens", "16384", "--enable-metrics", "--max-running-requests", "16",
+                  "--max-queued-requests", "48", "--enable-deterministic-inference", api_key=KEY)
+
+
+def sse_events(lines) -> list:
+    """The data of each server-sent event ("[DONE]" as a string)."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events

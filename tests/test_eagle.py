@@ -176,7 +176,7 @@ def tiny_data(runner):
 def test_feature_phase_labels_the_answer_only(runner, runner_args):
     """train-eagle's labels are the target's own picks: the tokens after the prompt; prompt positions get none
     (-1), nor does the last position. Features are the captured layers at every position."""
-    from plait.runtime.speculative import train
+    from plait import train_eagle as train
 
     ids = runner.tokenizer.encode(SENTENCE)
     prompt_len = 9
@@ -195,7 +195,7 @@ def test_drafting_computes_what_training_computes(runner, tiny_data):
     path's step 0; the drafter's second draft token equals training-time test step 1 at the same position
     when the first draft token is the sequence's next token."""
     from plait.runtime.layers.rotary import RotaryEmbedding
-    from plait.runtime.speculative import train
+    from plait import train_eagle as train
 
     tcfg = runner.config
     cfg = EagleConfig("EAGLE3", tcfg.hidden_size, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim, 128,
@@ -230,7 +230,7 @@ def test_training_learns_the_targets_next_tokens(runner, tiny_data, tmp_path, mo
     """A few hundred steps on two sequences: the head predicts the target's next token on them far above chance
     at every training-time-test step (the EAGLE losses and the step masks work together)."""
     from plait.runtime.model_loader import LoadedModel
-    from plait.runtime.speculative import train
+    from plait import train_eagle as train
 
     monkeypatch.setattr("plait.runtime.model_loader.load_model",
                         lambda *a, **k: LoadedModel(runner.model, runner.config, None))

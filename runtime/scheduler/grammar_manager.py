@@ -75,12 +75,17 @@ class GrammarManager:
         self.closed = 0  # requests whose grammar was closed early (the model would have written on)
         self.close_searches = 0
         self.close_search_s = 0.0
-        self.draft_budget = 0  # draft tokens this step may still add (set by the scheduler per step)
+        self.draft_budget = 0  # forced-text draft tokens this step may still add (begin_step)
         self.compiling: list[Req] = []
         self.lazy_fills = 0  # masks filled because an unmasked pick was rejected
         self._faults: list[tuple[Req, Exception]] = []  # mask fills that raised, for the scheduler to fail
 
     # ---- compile ---------------------------------------------------------------------------
+    def begin_step(self, running: int) -> None:
+        """The forced text (jump-forward) the drafts planned after this step's forward may add, in all: the rows
+        --jump-forward-token-budget leaves beside the running requests."""
+        self.draft_budget = max(0, self.args.jump_forward_token_budget - running)
+
     def warm_up(self, spawned: subprocess.Popen | None = None, wait: bool = True) -> None:
         """Start a compile worker (on `spawned`, from compile_worker.spawn_worker, when given), so the first
         constrained request does not wait for it; with `wait`, until it can compile, so no request decodes

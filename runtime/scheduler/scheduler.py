@@ -52,7 +52,7 @@ class Scheduler:
         self.forward_passes = 0
         self.tokens_generated = 0
         self.grammars = GrammarManager(args, self.tokenizer, runner.config.vocab_size, sorted(self.eos_ids))
-        self.spec = SpecManager(args, self.tokenizer, self.grammars, build_drafter(DraftConfig.of(args), runner),
+        self.speculation = SpecManager(args, self.tokenizer, self.grammars, build_drafter(DraftConfig.of(args), runner),
                                 runner.req_to_token.table)
         self.limits = RuntimeLimits(self.context_length, runner.allocator.capacity, runner.config.vocab_size,
                                     sum(p.numel() * p.element_size() for p in runner.model.parameters()))
@@ -116,12 +116,13 @@ class Scheduler:
         logits, features = self._forward(items)
         decoding_only = all(it.mode is not ForwardMode.EXTEND for it in items)
         if decoding_only:  # what drafts are weighed against
-            self.spec.record_forward(sum(len(it.tokens) for it in items), time.perf_counter() - start)
+            self.speculation.record_forward(sum(len(it.tokens) for it in items), time.perf_counter() - start)
         # drafts pay while a forward is bandwidth-bound: keep the next one within the token budgets
-        self.spec.begin_step(len(self.running), len(self.waiting))
+        self.speculation.begin_step(len(self.running), len(self.waiting))
+        self.grammars.begin_step(len(self.running))
         self._process(batch, items, logits, masks, features)
         if decoding_only:
-            self.spec.record_step(len(items), speculative, self.tokens_generated - tokens_before,
+            self.speculation.record_step(len(items), speculative, self.tokens_generated - tokens_before,
                                   time.perf_counter() - start)
         self.admission.stepped()
         return True
@@ -137,8 +138,8 @@ class Scheduler:
 
     def _forward(self, items: list[WorkItem]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         self.forward_passes += 1
-        if self.spec.capture:  # the draft head reads the target's features at every committed position
-            return self.runner.forward(items, self.spec.capture)
+        if self.speculation.capture:  # the draft head reads the target's features at every committed position
+            return self.runner.forward(items, self.speculation.capture)
         return self.runner.forward(items), None
 
     # ---- commit: what the forward computed ----------------------------------------------
@@ -153,13 +154,13 @@ class Scheduler:
         for req, first in [(r, i) for r, i in to_verify if r.finish is None]:
             before = req.output_len - len(req.draft)
             with isolated(req, "verifying its draft"):
-                self.spec.verify(req, logits[first : first + len(req.draft) + 1], mask_rows, self.eos_ids,
+                self.speculation.verify(req, logits[first : first + len(req.draft) + 1], mask_rows, self.eos_ids,
                                  self.context_length)
                 # a forced draft planned for the next forward is in output_ids already: not generated yet
                 self.tokens_generated += req.output_len - len(req.draft) - before
                 self.kv.cache_prefix(req)  # only tokens the model confirmed
                 took.append(req)
-        self.spec.plan(took, batch, items, features, self.context_length)
+        self.speculation.plan(took, batch, items, features, self.context_length)
         self._reap()
 
     def _commit(self, batch: Batch, items: list[WorkItem], logits: torch.Tensor) -> tuple[list, list]:
@@ -227,7 +228,7 @@ class Scheduler:
         for req in done + gone:
             (self.running if req in done else self.waiting).remove(req)
             self.kv.release(req)
-            self.spec.release(req)
+            self.speculation.release(req)
             if req.failed:
                 self.num_failed += 1
         if outs:
@@ -248,13 +249,13 @@ class Scheduler:
 
     def _copy_kv(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
         self.runner.copy_kv(src, dst, shift)
-        self.spec.copy_kv(src, dst, shift)
+        self.speculation.copy_kv(src, dst, shift)
 
     # ---- introspection --------------------------------------------------------------
     def flush_cache(self) -> bool:
         if not (self.idle and self.kv.flush()):
             return False
-        self.spec.flush()
+        self.speculation.flush()
         return True
 
     def stats(self, check: bool = False) -> dict:
@@ -285,5 +286,5 @@ class Scheduler:
             "forward_passes": self.forward_passes,
             "tokens_generated": self.tokens_generated,
             **self.grammars.stats(),
-            **self.spec.stats(),
+            **self.speculation.stats(),
         }

@@ -113,7 +113,6 @@ class SpecManager:
         self.base_rows = running
         self.jumped_before = self.kept["jump_forward"]  # record_step leaves out what this step's forced text kept
         self.drafting_seconds = 0.0
-        self.grammars.draft_budget = max(0, self.args.jump_forward_token_budget - running)
 
     # ---- planning ------------------------------------------------------------------------
     def plan(self, took: list[Req], batch: list[tuple[Req, int]], items: list, features: list | None,
