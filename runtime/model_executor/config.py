@@ -1,14 +1,14 @@
-"""The part of the server's configuration a model runner reads, taken from ServerArgs by field name
-(`RunnerConfig.of`), so the executor never imports the whole server configuration."""
+"""The part of the server's configuration a model runner reads."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
+
+from plait.runtime.narrow_config import NarrowConfig
 
 
 @dataclass(frozen=True)
-class RunnerConfig:
+class RunnerConfig(NarrowConfig):
     model_path: str | None
     tokenizer_path: str | None
     skip_tokenizer_init: bool
@@ -31,8 +31,3 @@ class RunnerConfig:
     # threads
     num_threads: int
     thread_policy: str
-
-    @classmethod
-    def of(cls, args) -> "RunnerConfig":
-        """This config's fields taken from `args` (a ServerArgs or a RunnerConfig), which names them the same."""
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

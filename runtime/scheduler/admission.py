@@ -9,13 +9,13 @@ resuming is cheap.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 
 from plait.radix_cache.radix_cache import common_prefix_len
 from plait.runtime.ipc.messages import FinishReason
+from plait.runtime.narrow_config import NarrowConfig
 from plait.runtime.scheduler.kv_manager import KVManager
 from plait.runtime.scheduler.policy import fair_order, order_waiting
 from plait.runtime.scheduler.req import Req
@@ -35,16 +35,11 @@ Batch = list[tuple[Req, int]]  # (request, tokens it feeds this forward)
 
 
 @dataclass(frozen=True)
-class AdmissionConfig:
+class AdmissionConfig(NarrowConfig):
     max_prefill_tokens: int
     chunked_prefill_size: int  # <= 0: no chunking
     max_running_requests: int
     schedule_policy: str
-
-    @classmethod
-    def of(cls, args) -> "AdmissionConfig":
-        """This config's fields taken from `args` (a ServerArgs), which names them the same."""
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 class Admission:

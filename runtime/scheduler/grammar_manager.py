@@ -19,20 +19,20 @@ import subprocess
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
 
 import torch
-
 from plait.runtime.constrained import GrammarCache, GrammarError, JsonStyle, create_backend
 from plait.runtime.constrained.bitmask import allocate_bitmask, apply_token_bitmask_
-from plait.runtime.constrained.closing import CLOSE_WINDOW, ClosingMatcher, CloseVocab, plan_close, still_holds
+from plait.runtime.constrained.closing import CLOSE_WINDOW, CloseVocab, ClosingMatcher, plan_close, still_holds
 from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
 from plait.runtime.constrained.jump_forward import accepted_prefix, allowed_prefix, plan_draft
 from plait.runtime.constrained.schema_policy import rewrite_schema
 from plait.runtime.ipc.messages import GRAMMAR_CLOSED, GRAMMAR_CUT, FinishReason
+from plait.runtime.narrow_config import NarrowConfig
 from plait.runtime.sampling import SampleRow, sample
 from plait.runtime.scheduler.faults import fail_request
 from plait.runtime.scheduler.req import Req
-from plait.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,21 @@ def close_window(req: Req) -> int:
     return min(CLOSE_WINDOW, max(_SHORT_WINDOW, req.params.max_new_tokens // 2))
 
 
+@dataclass(frozen=True)
+class GrammarConfig(NarrowConfig):
+    grammar_backend: str
+    grammar_cache_size: int
+    grammar_compile_timeout: float
+    json_whitespace: str
+    json_key_order: str
+    disable_json_narrowing: bool
+    disable_jump_forward: bool
+    jump_forward_token_budget: int
+    disable_grammar_closing: bool
+
+
 class GrammarManager:
-    def __init__(self, args: ServerArgs, tokenizer, vocab_size: int, eos_ids: list[int]):
+    def __init__(self, args: GrammarConfig, tokenizer, vocab_size: int, eos_ids: list[int]):
         self.args = args
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size

@@ -15,7 +15,6 @@ from concurrent.futures import Future
 from typing import Callable
 
 import torch
-
 from plait.runtime.forward.batch import ForwardMode
 from plait.runtime.ipc.limits import RuntimeLimits, validate_request
 from plait.runtime.ipc.messages import AbortReq, FinishReason, JoinKVReq, TokenizedGenerateReq, TokenOut
@@ -24,7 +23,7 @@ from plait.runtime.sampling.sampler import SampleResult
 from plait.runtime.scheduler.admission import Admission, AdmissionConfig, Batch
 from plait.runtime.scheduler.batch_sampler import sample_isolated, sample_rows
 from plait.runtime.scheduler.faults import fail_request, isolated
-from plait.runtime.scheduler.grammar_manager import GrammarManager, Masks
+from plait.runtime.scheduler.grammar_manager import GrammarConfig, GrammarManager, Masks
 from plait.runtime.scheduler.kv_manager import KVManager
 from plait.runtime.scheduler.req import Req
 from plait.runtime.scheduler.req_io import has_news, record_input_logprobs, token_out, work_item
@@ -51,8 +50,9 @@ class Scheduler:
         self.num_kv_joins = 0
         self.forward_passes = 0
         self.tokens_generated = 0
-        self.grammars = GrammarManager(args, self.tokenizer, runner.config.vocab_size, sorted(self.eos_ids))
-        self.speculation = SpecManager(args, self.tokenizer, self.grammars, build_drafter(DraftConfig.of(args), runner),
+        self.grammars = GrammarManager(GrammarConfig.of(args), self.tokenizer, runner.config.vocab_size, sorted(self.eos_ids))
+        drafts = DraftConfig.of(args)
+        self.speculation = SpecManager(drafts, self.tokenizer, self.grammars, build_drafter(drafts, runner),
                                 runner.req_to_token.table)
         self.limits = RuntimeLimits(self.context_length, runner.allocator.capacity, runner.config.vocab_size,
                                     sum(p.numel() * p.element_size() for p in runner.model.parameters()))

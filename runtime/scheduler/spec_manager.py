@@ -36,12 +36,11 @@ from __future__ import annotations
 import logging
 
 import torch
-
 from plait.runtime.forward.batch import ForwardMode
 from plait.runtime.model_executor.model_runner import tree_depths
 from plait.runtime.scheduler.grammar_manager import GrammarManager, Masks
 from plait.runtime.scheduler.req import Req
-from plait.runtime.server_args import ServerArgs
+from plait.runtime.speculative.config import DraftConfig
 from plait.runtime.speculative.cost import Acceptance, RowCost, StepRate, choose_sizes, fill_caps, running_mean
 from plait.runtime.speculative.drafter import Committed, Drafter, DraftStep
 from plait.runtime.speculative.verify import walk_draft
@@ -55,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 
 class SpecManager:
-    def __init__(self, args: ServerArgs, tokenizer, grammars: GrammarManager, drafter: Drafter | None = None,
+    def __init__(self, args: DraftConfig, tokenizer, grammars: GrammarManager, drafter: Drafter | None = None,
                  table: torch.Tensor | None = None):
         self.args, self.tokenizer, self.grammars = args, tokenizer, grammars
         self.algorithm = args.speculative_algorithm

@@ -1,14 +1,14 @@
-"""The part of the server's configuration a drafter reads, built from ServerArgs by field name (`DraftConfig.of`),
-so speculation never imports the whole server configuration."""
+"""The part of the server's configuration speculation reads (the drafters and the scheduler's SpecManager)."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
+
+from plait.runtime.narrow_config import NarrowConfig
 
 
 @dataclass(frozen=True)
-class DraftConfig:
+class DraftConfig(NarrowConfig):
     speculative_algorithm: str | None
     speculative_draft_model_path: str | None
     speculative_num_steps: int | None
@@ -22,14 +22,10 @@ class DraftConfig:
     speculative_suffix_max_cached_requests: int
     speculative_draft_vocab_size: int
     speculative_token_budget: int
+    speculative_draft_policy: str  # how many tokens each request drafts (SpecManager)
     # how a draft model or a head's vocabulary layers load: as the target's do
     model_path: str | None
     quantization: str
     disable_packed_weights: bool
     disable_native_decode: bool
     page_size: int
-
-    @classmethod
-    def of(cls, args) -> "DraftConfig":
-        """The fields of this config taken from `args` (a ServerArgs), which names them the same."""
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
