@@ -250,11 +250,26 @@ def served_compile_times(schemas: list[str], instances: list[str | None], timeou
     return stats
 
 
+def _validator(row: dict):
+    """The row's validator, with multipleOf decided exactly as JSON Schema defines it (in fractions of the decimal
+    texts): jsonschema divides in floats, so it refuses -10.1223 as a multiple of 0.0001."""
+    from fractions import Fraction
+
+    import jsonschema
+
+    def multiple_of(validator, divisor, instance, schema):
+        if validator.is_type(instance, "number") and (Fraction(str(instance)) / Fraction(str(divisor))).denominator != 1:
+            yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor}")
+
+    cls = getattr(jsonschema, row["draft"] + "Validator")
+    cls = jsonschema.validators.extend(cls, {"multipleOf": multiple_of})
+    return cls(row["schema"], format_checker=cls.FORMAT_CHECKER)
+
+
 def completion_table(args) -> list[str]:
     """Every `--completion-every`th corpus schema generated with the model (sampled, `--completion-tokens` at
     most, 8 in flight): how many are refused, end complete and valid (the grammar's end, or closed early as the
     budget ran low), come back cut, or come back invalid."""
-    import jsonschema
 
     from plait import Engine
 
@@ -277,8 +292,7 @@ def completion_table(args) -> list[str]:
             doc = json.loads(out["text"])
         except json.JSONDecodeError:
             return "cut" if finish["type"] == "length" else "invalid"
-        cls = getattr(jsonschema, row["draft"] + "Validator")
-        if not cls(row["schema"], format_checker=cls.FORMAT_CHECKER).is_valid(doc):
+        if not _validator(row).is_valid(doc):
             return "invalid"
         return "complete" if finish["type"] == "stop" else "closed"
 

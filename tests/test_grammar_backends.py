@@ -110,6 +110,29 @@ def test_closing_plans_complete_any_prefix_for_every_backend(backends, tokenizer
             assert closing.forced_tokens() == plan
 
 
+def test_closing_leaves_a_run_a_pattern_never_closes_and_writes_required_keys_first(backends, tokenizer):
+    """Inside a string whose pattern wants another kind of text ("0000" where `^[0-9]+\\.[0-9]+$` wants a dot), the
+    search writes that kind instead of trying every run of digits first; and of an object's keys it writes the
+    required ones, not the optional ones that come first."""
+    from plait.runtime.constrained.closing import CloseVocab, plan_close, required_names
+
+    vocab = CloseVocab.from_tokenizer(tokenizer, 49152, [tokenizer.eos_token_id])
+    schema = {"type": "object", "required": ["version", "zone"], "properties": {
+        "version": {"type": "string", "pattern": "^[0-9]+\\.[0-9]+$"},
+        "a": {"type": "string"}, "b": {"type": "string"}, "c": {"type": "string"}, "zone": {"type": "string"}}}
+    check = jsonschema.Draft202012Validator(schema)
+    for name in ("llguidance",):  # the backend that takes this pattern exactly (auto's choice for it)
+        g = backends[name].compile("json_schema", json.dumps(schema))
+        for prefix in ('{"version": "000', '{"version": "1.0", '):
+            m = g.matcher()
+            assert all(m.accept_token(i) for i in tokenizer.encode(prefix, add_special_tokens=False))
+            start = time.perf_counter()
+            plan = plan_close(m, vocab, prefix, 48, required_names(json.dumps(schema)))
+            assert plan is not None and time.perf_counter() - start < 0.1, (name, prefix)
+            closed = json.loads(prefix + tokenizer.decode(plan))
+            assert check.is_valid(closed) and set(closed) == {"version", "zone"}, (name, closed)
+
+
 def test_compile_worker_kills_a_runaway_compile_and_rebuilds_what_it_compiled(tokenizer):
     """Scheduler compiles run in a worker process, without torch: each backend's grammar comes back as the one
     compiled here (the same mask). Under auto, a backend whose compile outlives its share of the timeout (its

@@ -13,6 +13,7 @@ parses and validates; the request reports it (finish_reason `length`, with the r
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -32,6 +33,8 @@ _MAX_STEPS = 400  # tokens a search may accept (each costs a mask); plans are ke
 # ordinary grammars take a few ms, so this bound does not decide their plans
 _MAX_SEARCH_S = 0.1
 _FALLBACK = 3
+_KEPT_CHARS = 64
+_REPEATS = 8  # texts of one kind this many times in a row in a string that cannot close: write another kind
 _DISCREPANCIES = 2  # passes that leave the preferred path at most this many times, before a full search
 _CLOSERS = set('"}]')
 _PUNCTUATION = set("{}[],:")
@@ -85,14 +88,16 @@ def _text_of(vocab: "CloseVocab", tok: int) -> str:
     return vocab.texts[tok] if tok < len(vocab.texts) else ""
 
 
-def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: int) -> list[int] | None:
+def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: int,
+               required: frozenset[str] = frozenset()) -> list[int] | None:
     """Token ids that take `matcher` (having produced `text`, or what it left open) to a state where
     the end of sequence is allowed, at most `limit` of them; None if the search finds none. Depth
     first, trying first the tokens that leave the least JSON open (strings, arrays, objects) and, among
     equals, the closers, separators and short values in `vocab.ordered`, in passes of limited discrepancy
     (the preferred path, then those that leave it once, twice, then any); it backtracks out of dead ends
-    and paths that run past `limit`, within _MAX_STEPS tokens accepted and _MAX_SEARCH_S seconds. The matcher
-    is left as it was."""
+    and paths that run past `limit`, within _MAX_STEPS tokens accepted and _MAX_SEARCH_S seconds. Inside a
+    string, text that begins one of the `required` names (the property names a JSON schema requires) comes
+    first, so an object's required keys are written before its optional ones. The matcher is left as it was."""
     bitmask, probe = allocate_bitmask(1, vocab.vocab_size), allocate_bitmask(1, vocab.vocab_size)
     steps = 0
     deadline = time.perf_counter() + _MAX_SEARCH_S
@@ -105,7 +110,9 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
         after = state.after(text)
         # JSON punctuation written into a string closes nothing: letters are the better content
         content = text.split('"', 1)[0] if state.in_string else ""
-        return any(c in _PUNCTUATION for c in content), after.open, len(text), vocab.rank.get(tok, len(vocab.rank))
+        optional = bool(required and content) and not any(n.startswith(state.chars + content) for n in required)
+        return (any(c in _PUNCTUATION for c in content), after.open, optional, len(text),
+                vocab.rank.get(tok, len(vocab.rank)))
 
     def candidates(row: torch.Tensor, state: _Open) -> list[int]:
         forced = matcher.forced_tokens()
@@ -140,8 +147,14 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
             return []
         if depth == limit:  # too long: back out (another choice, a shorter tool name, may fit)
             return None
+        tried = candidates(bitmask[0], state)
+        if state.repeats >= _REPEATS and not allowed_bits(bitmask[0], vocab.quotes).any():
+            # a string that cannot close yet, written the same way again and again ("0000" where a pattern wants
+            # "0.0"): another kind of text next, or the search would try every run of that kind first
+            # (a pattern that takes only that kind here, "[0-9]{10}", keeps it)
+            tried = [t for t in tried if _kind(_text_of(vocab, t)) != state.last] or tried
         taken = 0
-        for tok in candidates(bitmask[0], state):
+        for tok in tried:
             if spent() or (taken > slack >= 0):
                 return None
             if not matcher.accept_token(tok):
@@ -175,13 +188,18 @@ class _Open:
     depth: int = 0
     in_string: bool = False
     escaped: bool = False
+    repeats: int = 0  # how many texts of one kind in a row were written inside the string (_kind)
+    last: str = ""  # the kind of the last
+    chars: str = ""  # the string's text so far (its first _KEPT_CHARS: enough to tell a property name)
 
     @property
     def open(self) -> int:
         return self.depth + self.in_string
 
     def after(self, text: str) -> "_Open":
-        depth, in_string, escaped = self.depth, self.in_string, self.escaped
+        depth, in_string, escaped, chars = self.depth, self.in_string, self.escaped, self.chars
+        kind = _kind(text)
+        repeats = self.repeats + 1 if in_string and kind == self.last else 1
         for ch in text:
             if in_string:
                 if escaped:
@@ -190,13 +208,21 @@ class _Open:
                     escaped = True
                 elif ch == '"':
                     in_string = False
+                if in_string and len(chars) < _KEPT_CHARS:
+                    chars += ch
             elif ch == '"':
-                in_string = True
+                in_string, chars = True, ""
             elif ch in "[{":
                 depth += 1
             elif ch in "]}":
                 depth = max(0, depth - 1)
-        return _Open(depth, in_string, escaped)
+        return _Open(depth, in_string, escaped, repeats if in_string else 0, kind if in_string else "",
+                     chars if in_string else "")
+
+
+def _kind(text: str) -> str:
+    """Digits, letters, or the text itself: a run of one kind that a string's pattern will not close."""
+    return "0" if text.isdigit() else "a" if text.isalpha() else text
 
 
 class ClosingMatcher(Matcher):
@@ -206,8 +232,9 @@ class ClosingMatcher(Matcher):
     and the mask then allows only the next token of the current plan (or the end, once the grammar
     may end). `cut` counts the refusals: the tokens the model would have written otherwise."""
 
-    def __init__(self, inner: Matcher, plan: list[int], vocab: CloseVocab, text: str, budget: int):
-        self._inner, self._vocab = inner, vocab
+    def __init__(self, inner: Matcher, plan: list[int], vocab: CloseVocab, text: str, budget: int,
+                 required: frozenset[str] = frozenset()):
+        self._inner, self._vocab, self._required = inner, vocab, required
         self._plan, self._open, self._budget = plan, _Open().after(text), budget  # budget: tokens still allowed
         self._history: list[tuple[list[int], _Open]] = []  # (plan, open) before each accepted token
         self.cut = 0
@@ -225,7 +252,7 @@ class ClosingMatcher(Matcher):
             plan = self._plan  # e.g. a letter inside a string the plan closes: no new search
         else:
             start = time.perf_counter()
-            plan = plan_close(self._inner, self._vocab, opened, self._budget - 2)  # leaves room for the end
+            plan = plan_close(self._inner, self._vocab, opened, self._budget - 2, self._required)  # room for the end
             self.searches, self.search_s = self.searches + 1, self.search_s + time.perf_counter() - start
             if plan is None:
                 self._inner.rollback(1)
@@ -286,3 +313,23 @@ def may_end(matcher: Matcher, vocab: CloseVocab, bitmask: torch.Tensor) -> bool:
     matcher.fill_bitmask(bitmask, 0)
     return bool(allowed_bits(bitmask[0], vocab.eos_ids).any())
 
+
+def required_names(schema_text: str | None) -> frozenset[str]:
+    """Every property name a JSON schema requires somewhere in it (plan_close writes those keys first)."""
+    if not schema_text:
+        return frozenset()
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return frozenset()
+    names, stack = set(), [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            required = node.get("required")
+            if isinstance(required, list):
+                names.update(n for n in required if isinstance(n, str))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return frozenset(names)

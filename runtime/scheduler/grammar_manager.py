@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from plait.runtime.constrained import GrammarCache, GrammarError, JsonStyle, create_backend
 from plait.runtime.constrained.bitmask import allocate_bitmask, apply_token_bitmask_
-from plait.runtime.constrained.closing import CLOSE_WINDOW, CloseVocab, ClosingMatcher, plan_close, still_holds
+from plait.runtime.constrained.closing import (CLOSE_WINDOW, CloseVocab, ClosingMatcher, plan_close, required_names,
+                                                still_holds)
 from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
 from plait.runtime.constrained.jump_forward import accepted_prefix, allowed_prefix, plan_draft
 from plait.runtime.constrained.schema_policy import rewrite_schema
@@ -290,7 +291,10 @@ class GrammarManager:
         elif last is None and req.close_retry_left is not None and left > req.close_retry_left:
             return 0  # nothing fitted a few tokens ago: not searched again yet
         else:
-            plan = plan_close(req.grammar, self._close_vocab, self.tokenizer.decode(req.output_ids), left - 2)
+            if req.close_required is None:
+                req.close_required = required_names(req.params.json_schema)
+            plan = plan_close(req.grammar, self._close_vocab, self.tokenizer.decode(req.output_ids), left - 2,
+                              req.close_required)
             self.close_searches += 1
             req.close_retry_left = left - _RETRY_EVERY if plan is None else None
         self.close_search_s += time.perf_counter() - start
@@ -300,7 +304,7 @@ class GrammarManager:
         req.close_longest = max(req.close_longest, len(plan))
         if left <= 2 * req.close_longest + _CLOSE_MARGIN:
             req.grammar = ClosingMatcher(req.grammar, plan, self._close_vocab, self.tokenizer.decode(req.output_ids),
-                                         left)
+                                         left, req.close_required or frozenset())
             return 0
         return req.close_longest + 1
 
