@@ -42,22 +42,6 @@ def _check_generate_keys(body: dict) -> None:
     refuse_unknown("/generate", unknown)
 
 
-def _check_generate_keys(body: dict) -> None:
-    unknown = []
-    for k, v in body.items():
-        if k in _GENERATE_KEYS or v is None:
-            continue
-        if k in _SGLANG_NOOP_KEYS:
-            kind, only = _SGLANG_NOOP_KEYS[k]
-            if not isinstance(v, kind):
-                raise HTTPError(400, f"{k} must be a {kind.__name__}, got {type(v).__name__}")
-            if only is not None and v != only:
-                raise HTTPError(400, f"{k}={json.dumps(v)} is not supported by plait")
-            continue
-        unknown.append(k)
-    refuse_unknown("/generate", unknown)
-
-
 def _generate_doc() -> dict:
     """/generate's body for /openapi.json (the route reads and checks the body itself)."""
     import msgspec
