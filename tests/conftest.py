@@ -1,9 +1,10 @@
 """Shared fixtures: one real engine (its runtime processes) on the default model, an in-process
-model runner for logits tests, and transformers references."""
+model runner for logits tests, transformers references, and the API tests' server with its clients."""
 
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -70,3 +71,29 @@ def backends(tokenizer):
 
     eos = [tokenizer.eos_token_id]
     return {name: create_backend(name, tokenizer, 49152, eos) for name in ("xgrammar", "llguidance", "outlines")}
+
+
+# the API tests' server (test_server*.py): one per module that asks for it; modules with a server of their own
+# define their own `server`
+@pytest.fixture(scope="module")
+def server():
+    from server_util import api_server
+
+    srv = api_server()
+    yield srv
+    # graceful shutdown on SIGTERM: exit code 0
+    assert srv.stop(signal.SIGTERM) == 0
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with server.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    from openai import OpenAI
+    from server_util import KEY
+
+    return OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)

@@ -6,37 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import re
-import signal
 import time
 
 import httpx
 import pytest
-from server_util import KEY, api_server, sse_events
+from server_util import KEY, sse_events
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
              "Write a haiku about rain.", "Why is the sky blue?", "Give a synonym for happy.",
              "Who wrote Hamlet?", "What does a CPU do?"]
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = api_server()
-    yield srv
-    # graceful shutdown on SIGTERM: exit code 0
-    assert srv.stop(signal.SIGTERM) == 0
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
 
 
 def greedy(max_new: int = 16) -> dict:

@@ -6,35 +6,8 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 
 import pytest
-from server_util import KEY, api_server
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = api_server()
-    yield srv
-    # graceful shutdown on SIGTERM: exit code 0
-    assert srv.stop(signal.SIGTERM) == 0
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with server.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-
-
-def greedy(max_new: int = 16) -> dict:
-    return {"temperature": 0, "max_new_tokens": max_new}
 
 
 def test_generate_json_schema_and_regex(http):
