@@ -114,7 +114,7 @@ def test_closing_leaves_a_run_a_pattern_never_closes_and_writes_required_keys_fi
     """Inside a string whose pattern wants another kind of text ("0000" where `^[0-9]+\\.[0-9]+$` wants a dot), the
     search writes that kind instead of trying every run of digits first; and of an object's keys it writes the
     required ones, not the optional ones that come first."""
-    from plait.runtime.constrained.closing import CloseVocab, plan_close, required_names
+    from plait.runtime.constrained.closing import CloseVocab, plan_close, required_prefixes
 
     vocab = CloseVocab.from_tokenizer(tokenizer, 49152, [tokenizer.eos_token_id])
     schema = {"type": "object", "required": ["version", "zone"], "properties": {
@@ -127,7 +127,7 @@ def test_closing_leaves_a_run_a_pattern_never_closes_and_writes_required_keys_fi
             m = g.matcher()
             assert all(m.accept_token(i) for i in tokenizer.encode(prefix, add_special_tokens=False))
             start = time.perf_counter()
-            plan = plan_close(m, vocab, prefix, 48, required_names(json.dumps(schema)))
+            plan = plan_close(m, vocab, prefix, 48, required_prefixes(json.dumps(schema)))
             assert plan is not None and time.perf_counter() - start < 0.1, (name, prefix)
             closed = json.loads(prefix + tokenizer.decode(plan))
             assert check.is_valid(closed) and set(closed) == {"version", "zone"}, (name, closed)

@@ -96,8 +96,9 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
     equals, the closers, separators and short values in `vocab.ordered`, in passes of limited discrepancy
     (the preferred path, then those that leave it once, twice, then any); it backtracks out of dead ends
     and paths that run past `limit`, within _MAX_STEPS tokens accepted and _MAX_SEARCH_S seconds. Inside a
-    string, text that begins one of the `required` names (the property names a JSON schema requires) comes
-    first, so an object's required keys are written before its optional ones. The matcher is left as it was."""
+    string, text that begins a name the JSON schema requires (`required`: every prefix of those names, from
+    required_prefixes) comes first, so an object's required keys are written before its optional ones. The
+    matcher is left as it was."""
     bitmask, probe = allocate_bitmask(1, vocab.vocab_size), allocate_bitmask(1, vocab.vocab_size)
     steps = 0
     deadline = time.perf_counter() + _MAX_SEARCH_S
@@ -110,7 +111,7 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
         after = state.after(text)
         # JSON punctuation written into a string closes nothing: letters are the better content
         content = text.split('"', 1)[0] if state.in_string else ""
-        optional = bool(required and content) and not any(n.startswith(state.chars + content) for n in required)
+        optional = bool(required and content) and state.chars + content not in required
         return (any(c in _PUNCTUATION for c in content), after.open, optional, len(text),
                 vocab.rank.get(tok, len(vocab.rank)))
 
@@ -314,8 +315,9 @@ def may_end(matcher: Matcher, vocab: CloseVocab, bitmask: torch.Tensor) -> bool:
     return bool(allowed_bits(bitmask[0], vocab.eos_ids).any())
 
 
-def required_names(schema_text: str | None) -> frozenset[str]:
-    """Every property name a JSON schema requires somewhere in it (plan_close writes those keys first)."""
+def required_prefixes(schema_text: str | None) -> frozenset[str]:
+    """Every prefix of every property name a JSON schema requires somewhere in it (plan_close writes those keys
+    first; a set of prefixes makes its check of each candidate one lookup)."""
     if not schema_text:
         return frozenset()
     try:
@@ -332,4 +334,4 @@ def required_names(schema_text: str | None) -> frozenset[str]:
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
-    return frozenset(names)
+    return frozenset(name[:k] for name in names for k in range(1, len(name) + 1))

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from plait.runtime.constrained import GrammarCache, GrammarError, JsonStyle, create_backend
 from plait.runtime.constrained.bitmask import allocate_bitmask, apply_token_bitmask_
-from plait.runtime.constrained.closing import (CLOSE_WINDOW, CloseVocab, ClosingMatcher, plan_close, required_names,
-                                                still_holds)
+from plait.runtime.constrained.closing import (CLOSE_WINDOW, CloseVocab, ClosingMatcher, plan_close,
+                                                required_prefixes, still_holds)
 from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
 from plait.runtime.constrained.jump_forward import accepted_prefix, allowed_prefix, plan_draft
 from plait.runtime.constrained.schema_policy import rewrite_schema
@@ -292,7 +292,7 @@ class GrammarManager:
             return 0  # nothing fitted a few tokens ago: not searched again yet
         else:
             if req.close_required is None:
-                req.close_required = required_names(req.params.json_schema)
+                req.close_required = required_prefixes(req.params.json_schema)
             plan = plan_close(req.grammar, self._close_vocab, self.tokenizer.decode(req.output_ids), left - 2,
                               req.close_required)
             self.close_searches += 1

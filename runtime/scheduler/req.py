@@ -39,7 +39,7 @@ class Req:
         self.close_plan: list[int] | None = None  # the grammar's last planned completion (closing.py)
         self.close_retry_left: int | None = None  # with no plan: search again once the tokens left fall to this
         self.close_longest = 0  # the longest plan so far: how much one token may lengthen the completion
-        self.close_required: frozenset[str] | None = None  # the names its JSON schema requires (closing.py)
+        self.close_required: frozenset[str] | None = None  # prefixes of the names its JSON schema requires (closing.py)
         self.draft: list[int] = []  # drafted tokens at the end of output_ids, not yet verified
         # leading draft tokens that are the grammar's forced text (jump-forward); the rest are speculative guesses
         self.draft_forced = 0
