@@ -266,6 +266,17 @@ def _validator(row: dict):
     return cls(row["schema"], format_checker=cls.FORMAT_CHECKER)
 
 
+class RepeatedKey(ValueError):
+    """An object holds a key twice: a parser keeps the last, so the schema judged other values than were written."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise RepeatedKey(f"a key is repeated in {[k for k, _ in pairs]}")
+    return out
+
+
 def completion_table(args) -> list[str]:
     """Every `--completion-every`th corpus schema generated with the model (sampled, `--completion-tokens` at
     most, 8 in flight): how many are refused, end complete and valid (the grammar's end, or closed early as the
@@ -273,11 +284,11 @@ def completion_table(args) -> list[str]:
 
     from plait import Engine
 
-    with open(CORPUS) as f:
+    with open(args.corpus) as f:
         rows = [json.loads(line) for line in f if line.strip()][::args.completion_every]
     eng = Engine(num_threads=args.threads, log_level="warning", max_total_tokens=65536)
     tok = eng.tokenizer
-    counts = {"refused": 0, "complete": 0, "closed": 0, "cut": 0, "invalid": 0}
+    counts = {"refused": 0, "complete": 0, "closed": 0, "cut": 0, "invalid": 0, "error": 0}
 
     def one(row: dict) -> str:
         text = json.dumps(row["schema"])
@@ -287,31 +298,42 @@ def completion_table(args) -> list[str]:
                                         "max_new_tokens": args.completion_tokens})
         except ValueError:
             return "refused"
+        except Exception as e:  # noqa: BLE001 - the server failed the request: counted, and the run goes on
+            print(f"error: {row['id']}: {e}", file=sys.stderr, flush=True)
+            return "error"
         finish = out["meta_info"]["finish_reason"]
         try:
-            doc = json.loads(out["text"])
+            doc = json.loads(out["text"], object_pairs_hook=_unique_keys)
+        except RepeatedKey as e:
+            print(f"invalid: {row['id']}: {e}", file=sys.stderr, flush=True)
+            return "invalid"
         except json.JSONDecodeError:
             return "cut" if finish["type"] == "length" else "invalid"
-        if not _validator(row).is_valid(doc):
+        error = next(_validator(row).iter_errors(doc), None)
+        if error is not None:
+            print(f"invalid: {row['id']}: {error.json_path}: {error.message[:200]}", file=sys.stderr, flush=True)
             return "invalid"
         return "complete" if finish["type"] == "stop" else "closed"
 
     t0 = time.perf_counter()
     try:
         with ThreadPoolExecutor(8) as pool:
-            for outcome in pool.map(one, rows):
+            for row, outcome in zip(rows, pool.map(one, rows)):
                 counts[outcome] += 1
+                if outcome in ("cut", "error"):
+                    print(f"{outcome}: {row['id']}", file=sys.stderr, flush=True)
     finally:
         eng.shutdown()
     accepted = len(rows) - counts["refused"]
     done = counts["complete"] + counts["closed"]
     return [f"**Completion with the model** (every {args.completion_every}th corpus schema: {len(rows)}; temperature "
             f"0.7, max_new_tokens {args.completion_tokens}, 8 in flight; {time.perf_counter() - t0:.0f} s)", "",
-            "| schemas | refused | accepted | complete | closed early (complete) | cut | invalid | complete and "
-            "valid |",
-            "|---|---|---|---|---|---|---|---|",
+            "| schemas | refused | accepted | complete | closed early (complete) | cut | invalid | server errors | "
+            "complete and valid |",
+            "|---|---|---|---|---|---|---|---|---|",
             f"| {len(rows)} | {counts['refused']} | {accepted} | {counts['complete']} | {counts['closed']} | "
-            f"{counts['cut']} | {counts['invalid']} | **{done}/{accepted} ({100 * done / max(accepted, 1):.0f}%)** |"]
+            f"{counts['cut']} | {counts['invalid']} | {counts['error']} | "
+            f"**{done}/{accepted} ({100 * done / max(accepted, 1):.0f}%)** |"]
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -339,6 +361,8 @@ def timing_tables(args) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--corpus", default=CORPUS, help="JSON lines of schemas in the corpus's row format (another set "
+                    "is measured, not saved)")
     ap.add_argument("--jf-requests", type=int, default=16)
     ap.add_argument("--compile-timeout", type=float, default=10.0)
     ap.add_argument("--skip-compile", action="store_true")
@@ -362,7 +386,7 @@ def main() -> None:
         print("\n".join(lines[-5:]), flush=True)
 
     if not args.skip_compile and not args.only_completion:
-        with open(CORPUS) as f:
+        with open(args.corpus) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         schemas = [json.dumps(r["schema"]) for r in rows]
         instances = [next((json.dumps(t["data"], ensure_ascii=False) for t in r["tests"] if t["valid"]), None)
@@ -387,7 +411,8 @@ def main() -> None:
 
     table = "\n".join(lines)
     print("\n" + table)
-    if not args.no_save and not (args.skip_compile or args.only_compile or args.only_completion):
+    partial = args.skip_compile or args.only_compile or args.only_completion
+    if not args.no_save and args.corpus == CORPUS and not partial:
         save_results("structured.md", table)
 
 

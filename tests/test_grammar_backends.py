@@ -3,6 +3,7 @@ speculative guess), closing plans that complete any prefix, the compile worker, 
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -53,6 +54,42 @@ def test_llguidance_matcher_contract(backends, tokenizer):
     m.fill_bitmask(bitmask, 0)
     comma = tokenizer.encode(",", add_special_tokens=False)[0]
     assert (int(bitmask[0, comma // 32]) >> (comma % 32)) & 1 and not (int(bitmask[0, bad // 32]) >> (bad % 32)) & 1
+
+
+def test_json_objects_never_repeat_a_key(backends, tokenizer):
+    """An object open to any key takes each key once (a parser keeps the last of two, so `minProperties` would be
+    met by a key written twice): the token that closes a repeated key is refused and cleared from the mask, keys
+    spelled with escapes included; the same key in another object is fine; rollback and copy keep the keys."""
+    from plait.runtime.constrained.base import token_texts
+    from plait.runtime.constrained.bitmask import allocate_bitmask, allowed_bits, clear_bits
+    from plait.runtime.constrained.unique_keys import KeyVocab, UniqueKeys
+
+    bitmask = allocate_bitmask(1, 64)
+    clear_bits(bitmask, 0, [5, 31, 63])  # bit 31 is an int32's sign
+    assert allowed_bits(bitmask[0], torch.arange(64)).logical_not().nonzero().flatten().tolist() == [5, 31, 63]
+
+    vocab = KeyVocab.from_texts(tuple(token_texts(tokenizer, len(tokenizer))))
+    schema = {"type": "object", "additionalProperties": {"anyOf": [{"type": "integer"}, {"type": "array", "items": {
+        "type": "object", "additionalProperties": {"type": "integer"}}}]}}
+    ids = functools.partial(tokenizer.encode, add_special_tokens=False)
+    close_key, quote, letter = ids('":')[0], ids('"')[0], ids("b")[0]
+    for name in ("xgrammar", "llguidance"):
+        compiled = backends[name].compile("json_schema", json.dumps(schema))
+        for text, repeats in (('{"a": 1, "b": 2, "a": 3}', True), ('{"a": 1, "b": 2, "\\u0061": 3}', True),
+                              ('{"a": [{"a": 1}, {"a": 2, "b": 1}], "b": 2}', False)):
+            m = UniqueKeys(compiled.matcher(), vocab)
+            taken = [m.accept_token(t) for t in ids(text)]
+            assert all(taken) != repeats, (name, text)
+        m = UniqueKeys(compiled.matcher(), vocab)
+        assert all(m.accept_token(t) for t in ids('{"a": 1, "a'))
+        bitmask = allocate_bitmask(1, 49152)
+        m.fill_bitmask(bitmask, 0)
+        allowed = allowed_bits(bitmask[0], torch.tensor([close_key, quote, letter])).tolist()
+        assert allowed == [False, False, True], name  # '"a"' again is refused whichever token closes it
+        assert not m.accept_token(close_key) and m.accept_token(letter) and m.accept_token(close_key)  # "ab"
+        twin = m.copy()
+        m.rollback(2)  # back inside '"a': the key is not written yet
+        assert not m.accept_token(close_key) and twin.accept_token(ids(" 1}")[0])
 
 
 def test_closing_plans_complete_any_prefix_for_every_backend(backends, tokenizer):

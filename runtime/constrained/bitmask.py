@@ -33,6 +33,13 @@ def allow_only(bitmask: torch.Tensor, row: int, tokens: list[int]) -> None:
         bitmask[row, token >> 5] = word - (1 << 32) if word >= 1 << 31 else word  # int32: bit 31 is the sign
 
 
+def clear_bits(bitmask: torch.Tensor, row: int, tokens: list[int]) -> None:
+    """Disallow `tokens` in `row`."""
+    for token in tokens:
+        word = (int(bitmask[row, token >> 5]) & 0xFFFFFFFF) & ~(1 << (token & 31))
+        bitmask[row, token >> 5] = word - (1 << 32) if word >= 1 << 31 else word  # int32: bit 31 is the sign
+
+
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set disallowed tokens' logits to -inf, in place (rows of logits and bitmask correspond):
     the Triton kernel on GPU, the C kernel on CPU, this torch reference where neither applies."""

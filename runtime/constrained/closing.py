@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from plait.runtime.constrained.base import Matcher
+from plait.runtime.constrained.base import Matcher, token_texts
 from plait.runtime.constrained.bitmask import allocate_bitmask, allow_only, allowed_bits
 
 # the search begins this many tokens before the budget ends (a longer completion is not looked for): a
@@ -57,7 +57,7 @@ class CloseVocab:
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int, eos_ids: list[int]) -> "CloseVocab":
-        texts = _token_texts(tokenizer, min(len(tokenizer), vocab_size))
+        texts = token_texts(tokenizer, min(len(tokenizer), vocab_size))
         # pure closers, longest first ('"}]' closes three in one token); then one separator with closers
         # (another item or a required key must follow); then the shortest values
         closers = sorted((i for i, s in enumerate(texts) if s and set(s) <= _CLOSERS), key=lambda i: -len(texts[i]))
@@ -71,17 +71,6 @@ class CloseVocab:
         return cls(lambda text: tokenizer.encode(text, add_special_tokens=False), tuple(texts), ids(ordered),
                    ids(singles), ids(sorted(eos_ids)), vocab_size, {t: i for i, t in enumerate(ordered)},
                    ids([t for t in ordered if texts[t].startswith('"')]))
-
-
-def _token_texts(tokenizer, n: int) -> list[str]:
-    """Each of the first n token ids decoded alone, as `tokenizer.batch_decode` does it: through the Rust tokenizer
-    where there is one (transformers' own loop converts every id list first, most of a second for 49k ids)."""
-    ids = [[i] for i in range(n)]
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return tokenizer.batch_decode(ids)
-    texts = backend.decode_batch(ids, skip_special_tokens=False)
-    return [tokenizer.clean_up_tokenization(t) for t in texts] if tokenizer.clean_up_tokenization_spaces else texts
 
 
 def _text_of(vocab: "CloseVocab", tok: int) -> str:

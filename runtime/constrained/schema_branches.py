@@ -115,7 +115,26 @@ class Branches:
             found = node.get("oneOf") if isinstance(node, dict) else None
             if isinstance(found, list) and len(found) == len(branches):
                 return found, self.original
-        return (None, None) if self.narrower else (branches, None)  # nothing narrowed yet: as sent
+        if not self.narrower:
+            return branches, None  # nothing narrowed yet: as sent
+        # a copy (a parent oneOf's branch with its siblings merged in): the same branches, written the same way,
+        # as the sender wrote them somewhere (so they mean there what they meant as sent)
+        same = self.sent_one_ofs().get(json.dumps(branches, sort_keys=True))
+        return (same, self.original) if same is not None else (None, None)
+
+    def sent_one_ofs(self) -> dict[str, list]:
+        """Every oneOf of the schema as sent, by its text."""
+        if self.one_ofs is None:
+            self.one_ofs, stack = {}, [self.original]
+            while stack:
+                node = stack.pop()
+                if isinstance(node, dict):
+                    if isinstance(node.get("oneOf"), list):
+                        self.one_ofs.setdefault(json.dumps(node["oneOf"], sort_keys=True), node["oneOf"])
+                    stack.extend(node.values())
+                elif isinstance(node, list):
+                    stack.extend(node)
+        return self.one_ofs
 
     # ---- oneOf disjointness -----------------------------------------------------------------
     # Disjointness is judged between a branch as it will be enforced (rewritten, maybe narrowed: root
@@ -174,9 +193,18 @@ class Branches:
             if isinstance(branches, list) and branches and len(branches) <= 64 and all(
                     self.pair_disjoint(branch, y, depth + 1, rx, ry) for branch in branches):
                 return True
+        # the rules below look at objects' properties (arrays' items): they hold where that is all both admit
+        common = self.types(a, ra) & self.types(b, rb)
+        for x, y in ((a, b), (b, a)):  # x's instances have more properties (items) than y's may
+            needs = max(len(set(x.get("required") or [])), _count(x, "minProperties"))
+            if (common <= {"object"} and needs > _count(y, "maxProperties", needs)) or (
+                    common <= {"array"} and _count(x, "minItems") > _count(y, "maxItems", 1 << 62)):
+                return True
         for x, rx, y, ry in ((a, ra, b, rb), (b, rb, a, ra)):
-            for key in x.get("required") or []:
+            for key in (x.get("required") or []) if common <= {"object"} else []:
                 xp, yp = (x.get("properties") or {}).get(key), (y.get("properties") or {}).get(key)
+                if yp is None and not y.get("patternProperties") and isinstance(y.get("additionalProperties"), dict):
+                    yp = y["additionalProperties"]  # what y allows of a name it does not list
                 # x has the name, and where y's instance has it, y gives it values x's cannot take
                 if xp is not None and yp is not None and self.pair_disjoint(xp, yp, depth + 1, rx, ry):
                     return True
@@ -274,3 +302,9 @@ class Branches:
         if b["additionalProperties"] is False and not b.get("required") and named:
             b["required"] = [named[0]]  # else `{}` would match every such branch
         return b
+
+
+def _count(s: dict, key: str, default: int = 0) -> int:
+    """A count keyword's value (minProperties, maxItems), or `default` where it is absent or not a count."""
+    v = s.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else default

@@ -71,6 +71,7 @@ def rewrite_schema(schema: Any, backend: str, narrow: bool = True) -> tuple[dict
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("json_schema must be a JSON object")
     schema = copy.deepcopy(schema)
+    anchors_as_pointers(schema)
     walker = _Walker(schema, backend, narrow)
     walker.visit(schema, "#")
     if walker.impossible(schema):
@@ -80,6 +81,34 @@ def rewrite_schema(schema: Any, backend: str, narrow: bool = True) -> tuple[dict
         raise GrammarError(f"json_schema uses what the {backend} backend cannot enforce: {shown}")
     close_objects(schema, lambda ref: lookup(schema, ref))
     return schema, list(dict.fromkeys(walker.narrowed))
+
+
+_VALUES = ("const", "enum", "examples", "default")  # keywords whose values are data, not subschemas
+
+
+def anchors_as_pointers(schema: Any) -> None:
+    """Rewrite, in place, each `$ref` to a plain-name anchor (`#foo`: a `$anchor`, or an `$id` of `#foo` in drafts
+    6 and 7) as the JSON pointer to the subschema that declares it, which every backend resolves."""
+    anchors, refs, stack = {}, [], [(schema, "#")]
+    while stack:
+        node, ptr = stack.pop()
+        if isinstance(node, dict):
+            for key in ("$anchor", "$id"):
+                name = node.get(key)
+                if isinstance(name, str) and name.startswith("#") == (key == "$id") and name.strip("#"):
+                    anchors.setdefault(name.lstrip("#"), ptr)
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#") and not ref.startswith("#/") and len(ref) > 1:
+                refs.append(node)
+            stack.extend((v, f"{ptr}/{_escaped(k)}") for k, v in node.items() if k not in _VALUES)
+        elif isinstance(node, list):
+            stack.extend((v, f"{ptr}/{i}") for i, v in enumerate(node))
+    for node in refs:
+        node["$ref"] = anchors.get(node["$ref"][1:], node["$ref"])
+
+
+def _escaped(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
 
 
 class _Walker(Branches, Narrowing, Merging):
@@ -97,6 +126,7 @@ class _Walker(Branches, Narrowing, Merging):
         self.supported = SUPPORTED[backend]
         self.problems: list[str] = []
         self.seen: set[int] = set()
+        self.one_ofs: dict[str, list] | None = None  # Branches.sent_one_ofs
 
     def bad(self, ptr: str, what: str) -> None:
         self.problems.append(f"{what} at {ptr}")

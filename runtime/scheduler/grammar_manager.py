@@ -22,13 +22,15 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import torch
-from plait.runtime.constrained import GrammarCache, GrammarError, JsonStyle, create_backend
+from plait.runtime.constrained import GrammarCache, GrammarError, JsonStyle, Matcher, create_backend
+from plait.runtime.constrained.base import token_texts
 from plait.runtime.constrained.bitmask import allocate_bitmask, apply_token_bitmask_
 from plait.runtime.constrained.closing import (CLOSE_WINDOW, CloseVocab, ClosingMatcher, plan_close,
                                                 required_prefixes, still_holds)
 from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
 from plait.runtime.constrained.jump_forward import accepted_prefix, allowed_prefix, plan_draft
 from plait.runtime.constrained.schema_policy import rewrite_schema
+from plait.runtime.constrained.unique_keys import KeyVocab, UniqueKeys
 from plait.runtime.ipc.messages import GRAMMAR_CLOSED, GRAMMAR_CUT, FinishReason
 from plait.runtime.narrow_config import NarrowConfig
 from plait.runtime.sampling import SampleRow, sample
@@ -86,6 +88,7 @@ class GrammarManager:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask") if backend else None
         closing = backend is not None and not args.disable_grammar_closing
         self._close_vocab = CloseVocab.from_tokenizer(tokenizer, vocab_size, eos_ids) if closing else None
+        self._key_vocab = None  # each token's text and quotes, for JSON schemas' UniqueKeys (built on first use)
         self.closed = 0  # requests whose grammar was closed early (the model would have written on)
         self.close_searches = 0
         self.close_search_s = 0.0
@@ -141,7 +144,7 @@ class GrammarManager:
                 err = fut.exception()
                 if err is None:
                     compiled = fut.result()
-                    req.grammar = compiled.matcher()
+                    req.grammar = self._matcher(req, compiled)
                     req.grammar_backend = compiled.backend
                     req.grammar_narrowed = self._narrowings(req, compiled.backend)
                 else:
@@ -153,6 +156,17 @@ class GrammarManager:
             req.grammar_compile = None
             out.append(req)
         return out
+
+    def _matcher(self, req: Req, compiled) -> Matcher:
+        """The request's matcher; a JSON schema's also refuses a key its object already holds (unique_keys.py)."""
+        matcher = compiled.matcher()
+        if req.params.grammar[0] != "json_schema":
+            return matcher  # a regex or grammar may hold any text, JSON or not
+        if self._key_vocab is None:
+            texts = self._close_vocab.texts if self._close_vocab is not None else token_texts(
+                self.tokenizer, min(len(self.tokenizer), self.vocab_size))
+            self._key_vocab = KeyVocab.from_texts(tuple(texts))
+        return UniqueKeys(matcher, self._key_vocab)
 
     def _narrowings(self, req: Req, backend: str) -> list[str]:
         """How the request's JSON schema was narrowed for `backend` (the compile worker does not say; the
