@@ -216,6 +216,24 @@ def test_what_no_value_satisfies_is_refused_and_overlaps_are_named():
     assert (schema["minimum"], schema["maximum"]) == (-2 ** 62, 2 ** 62) and len(notes) == 2
 
 
+def test_older_drafts_tuple_items_are_enforced(backends, tokenizer):
+    """Draft 7's tuple `items` is rewritten to `prefixItems`, and the sender's `$schema` is dropped with it:
+    a backend told draft 7 reads `prefixItems` as an unknown word and would let any second item through."""
+    from plait.runtime.constrained import GrammarError
+    from plait.runtime.constrained.schema_policy import rewrite_schema
+
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "array",
+              "items": [{"type": "string", "maxLength": 4}, {"type": "object", "required": ["n"]}]}
+    assert "$schema" not in rewrite_schema(schema, "llguidance")[0]
+    for name in ("xgrammar", "llguidance"):
+        try:
+            m = backends[name].compile("json_schema", json.dumps(schema)).matcher()
+        except GrammarError:
+            continue
+        ids = tokenizer.encode('["a", "b"]', add_special_tokens=False)
+        assert not all(m.accept_token(t) for t in ids), name
+
+
 def test_property_counts_never_require_a_recursive_property(backends, tokenizer):
     """llguidance's minProperties is narrowed to listed properties required: requiring `and` (listed first,
     an array of the object itself) would leave no finite document, and the grammar would reach a dead end

@@ -80,6 +80,10 @@ def rewrite_schema(schema: Any, backend: str, narrow: bool = True) -> tuple[dict
         shown = "; ".join(walker.problems[:8]) + (f"; and {len(walker.problems) - 8} more" if len(walker.problems) > 8 else "")
         raise GrammarError(f"json_schema uses what the {backend} backend cannot enforce: {shown}")
     close_objects(schema, lambda ref: lookup(schema, ref))
+    if isinstance(schema, dict):
+        # the rewrite speaks draft 2020-12 (tuple `items` became `prefixItems`): a backend told the sender's
+        # older draft would read `prefixItems` as an unknown word and let any item through
+        schema.pop("$schema", None)
     return schema, list(dict.fromkeys(walker.narrowed))
 
 
