@@ -261,8 +261,20 @@ def _validator(row: dict):
         if validator.is_type(instance, "number") and (Fraction(str(instance)) / Fraction(str(divisor))).denominator != 1:
             yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor}")
 
+    # anyOf/oneOf stop at a branch's first error: jsonschema lists every error of each failing branch, which
+    # takes exponential time in a document nested through them (a recursive schema the model kept nesting)
+    def any_of(validator, branches, instance, schema):
+        if not any(next(validator.descend(instance, b, schema_path=i), None) is None for i, b in enumerate(branches)):
+            yield jsonschema.ValidationError(f"{instance!r} is not valid under any of the given schemas")
+
+    def one_of(validator, branches, instance, schema):
+        matched = [i for i, b in enumerate(branches)
+                   if next(validator.descend(instance, b, schema_path=i), None) is None]
+        if len(matched) != 1:
+            yield jsonschema.ValidationError(f"{instance!r} is valid under {len(matched)} of the oneOf's branches")
+
     cls = getattr(jsonschema, row["draft"] + "Validator")
-    cls = jsonschema.validators.extend(cls, {"multipleOf": multiple_of})
+    cls = jsonschema.validators.extend(cls, {"multipleOf": multiple_of, "anyOf": any_of, "oneOf": one_of})
     return cls(row["schema"], format_checker=cls.FORMAT_CHECKER)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import jsonschema
 import pytest
@@ -102,6 +103,11 @@ NARROWED = {
         "type": "object", "propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties": 2,
         "patternProperties": {".*": {"type": "object", "properties": {"to": {"type": "string", "maxLength": 6}},
                                      "required": ["to"], "additionalProperties": False}}},
+    "oneOf by a property's object values": {"type": "object", "oneOf": [
+        {"properties": {"a": {"type": "object", "properties": {"k": {"enum": ["x"]}}, "required": ["k"]},
+                        "v": {"type": "string", "maxLength": 3}}},
+        {"properties": {"a": {"type": "object", "properties": {"k": {"enum": ["y"]}}, "required": ["k"]},
+                        "v": {"type": "integer"}}}]},
     "format regex": {"type": "object", "properties": {"re": {"type": "string", "format": "regex"},
                                                       "iri": {"type": "string", "format": "iri"}},
                      "required": ["re", "iri"]},
@@ -140,6 +146,20 @@ REWRITTEN = {
                                   {"anyOf": [{"type": "integer", "minimum": 1}, {"const": "ab"}]}]},
     "oneOf of one": {"oneOf": [{"type": "integer", "minimum": 5}]},
     "keywords of two types": {"minLength": 2, "maxLength": 3, "minimum": 10},
+    "not of anything": {"type": "object", "properties": {"gone": {"not": {}}, "n": {"type": "integer"}}},
+    "a patternProperty of true": {"type": "object", "patternProperties": {"f.*": True, "b.*": {"type": "integer"}}},
+    "a $dynamicRef in one resource": {"$id": "https://example.com/root", "type": "array",
+                                      "items": {"$dynamicRef": "#it"},
+                                      "$defs": {"s": {"$dynamicAnchor": "it", "type": "string", "maxLength": 4}}},
+    "oneOf of strings told apart by length": {"type": "string", "oneOf": [{"maxLength": 0},
+                                                                          {"minLength": 1, "maxLength": 5}]},
+    "oneOf of numbers told apart by range": {"oneOf": [{"type": "integer", "maximum": 0},
+                                                       {"type": "number", "exclusiveMinimum": 0, "maximum": 9}]},
+    "draft 7 ignores what stands beside $ref": {  # a recursive $ref with siblings, which llguidance refuses
+        "$schema": "http://json-schema.org/draft-07/schema#", "$ref": "#/definitions/n", "definitions": {"n": {
+            "type": "object", "properties": {"k": {"$ref": "#/definitions/n", "type": ["boolean", "object"]},
+                                             "s": {"type": "string", "maxLength": 3}}}}},
+    "a negative lookahead of prefixes": {"type": "string", "pattern": "^(?!lucene\\.|builtin\\.)[a-z.]{1,12}$"},
     "if/then/else on a pinned property": {
         "type": "object", "properties": {"kind": {"enum": ["cat", "dog", "owl"]}, "meows": {"type": "boolean"}},
         "required": ["kind"], "additionalProperties": False,
@@ -186,7 +206,8 @@ def test_narrowings_admit_only_valid_documents(backends, tokenizer):
                 prepare_schema(schema, "llguidance", narrow=False)
         else:
             assert not rewrite_schema(schema, "llguidance")[1], what  # exact: no narrowing
-        check = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        check = cls(schema, format_checker=cls.FORMAT_CHECKER)
         compiled = 0
         for name in ("xgrammar", "llguidance"):
             try:
@@ -214,6 +235,23 @@ def test_what_no_value_satisfies_is_refused_and_overlaps_are_named():
     # Java's Long bounds: llguidance builds no regex for them, so they are brought within 2**62 (a narrowing)
     schema, notes = rewrite_schema({"type": "integer", "minimum": -2 ** 63, "maximum": 2 ** 63 - 1}, "llguidance")
     assert (schema["minimum"], schema["maximum"]) == (-2 ** 62, 2 ** 62) and len(notes) == 2
+
+
+def test_lookahead_of_prefixes_as_two_patterns():
+    """`^(?!p1|p2)rest` is, for every string, the intersection of `^rest` and the trie-spelled "starts with
+    neither" (Python's re, which has lookahead, is the judge); other lookaheads are left alone."""
+    from plait.runtime.constrained.lookahead import split_negative_prefixes
+
+    rng = random.Random(0)
+    for pattern, words in ((r"^(?!^lucene\.|builtin\.|mongodb\.).*", ["lucene.", "builtin.", "mongodb.", "luce"]),
+                           (r"^(?!ab|a|x-)[a-z-]{0,5}$", ["ab", "a", "x-", "x", "b"]),
+                           (r"^(?!org\.bukkit\.)([a-z_$][a-z0-9_$]*\.)*[a-z_$]+$", ["org.bukkit.", "org.bukkit"])):
+        rest, first = map(re.compile, split_negative_prefixes(pattern))
+        whole, alphabet = re.compile(pattern), "".join(sorted(set("".join(words)))) + "z9-\n"
+        for _ in range(5000):
+            text = rng.choice(words + [""]) + "".join(rng.choice(alphabet) for _ in range(rng.randrange(5)))
+            assert bool(whole.search(text)) == bool(rest.search(text) and first.search(text)), (pattern, text)
+    assert split_negative_prefixes(r"^(?!\d)x") is None and split_negative_prefixes(r"(?!a)b") is None
 
 
 def test_older_drafts_tuple_items_are_enforced(backends, tokenizer):

@@ -198,7 +198,10 @@ class Branches:
         for x, y in ((a, b), (b, a)):  # x's instances have more properties (items) than y's may
             needs = max(len(set(x.get("required") or [])), _count(x, "minProperties"))
             if (common <= {"object"} and needs > _count(y, "maxProperties", needs)) or (
-                    common <= {"array"} and _count(x, "minItems") > _count(y, "maxItems", 1 << 62)):
+                    common <= {"array"} and _count(x, "minItems") > _count(y, "maxItems", 1 << 62)) or (
+                    common <= {"string"} and _count(x, "minLength") > _count(y, "maxLength", 1 << 62)):
+                return True
+            if common <= {"integer", "number"} and _above(x, y):
                 return True
         for x, rx, y, ry in ((a, ra, b, rb), (b, rb, a, ra)):
             for key in (x.get("required") or []) if common <= {"object"} else []:
@@ -233,15 +236,21 @@ class Branches:
             return True
 
     def discriminated(self, branches: list) -> list | None:
-        """Object branches that pin one property to values no other branch allows, each narrowed to
-        require it (absent, it would leave every branch open). None where no property does."""
+        """Object branches that pin one property to values no other branch allows (or give it schemas no
+        value of which two share), each narrowed to require it (absent, it would leave every branch open).
+        None where no property does."""
         resolved = [self.deref(b) for b in branches]
         if not all(isinstance(b, dict) and "object" in self.types(b) for b in resolved):
             return None
         for name in (resolved[0].get("properties") or {}):
-            pins = [self.pinned((b.get("properties") or {}).get(name)) for b in resolved]
+            subs = [(b.get("properties") or {}).get(name) for b in resolved]
+            pins = [self.pinned(sub) for sub in subs]
             if any(p is None for p in pins) or sum(len(p) for p in pins) != len(set().union(*pins)):
-                continue
+                # a property whose schemas admit no common value (`{"kind": {"enum": [...]}}` one level down)
+                pairs = [(i, j) for i in range(len(subs)) for j in range(i + 1, len(subs))]
+                if len(subs) > 8 or any(sub is None for sub in subs) or not all(
+                        self.pair_disjoint(subs[i], subs[j], 1) for i, j in pairs):
+                    continue
             out = []
             for b in resolved:
                 b = copy.deepcopy(b)
@@ -302,6 +311,17 @@ class Branches:
         if b["additionalProperties"] is False and not b.get("required") and named:
             b["required"] = [named[0]]  # else `{}` would match every such branch
         return b
+
+
+def _above(x: dict, y: dict) -> bool:
+    """Whether by their bounds every number x admits lies above every number y admits (a draft-4 boolean
+    `exclusiveMinimum` is left out: its bound then reads as inclusive, a wider range)."""
+    def bounds(s: dict, keys: tuple[str, str]) -> list[tuple[float, bool]]:
+        return [(s[k], k == keys[1]) for k in keys if isinstance(s.get(k), (int, float)) and not isinstance(s[k], bool)]
+
+    return any(low > high or (low == high and (open_low or open_high))
+               for low, open_low in bounds(x, ("minimum", "exclusiveMinimum"))
+               for high, open_high in bounds(y, ("maximum", "exclusiveMaximum")))
 
 
 def _count(s: dict, key: str, default: int = 0) -> int:

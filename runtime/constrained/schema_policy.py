@@ -17,7 +17,12 @@ Rewrites that keep the meaning exactly:
 - `if`/`then`/`else` decided by what the schema pins already, or split into an anyOf on the values
   of a required property it pins (a discriminator);
 - draft-4 boolean `exclusiveMinimum`/`exclusiveMaximum` become the numeric form;
-- tuple `items: [...]` (drafts 4-7) becomes `prefixItems` (+ `additionalItems` as `items`);
+- tuple `items: [...]` (drafts 4-7) becomes `prefixItems` (+ `additionalItems` as `items`), and what
+  stands beside a `$ref` in drafts 3-7 is dropped (those drafts ignore it);
+- `$ref` to a plain-name anchor becomes a JSON pointer, and so does a `$dynamicRef` in a schema of one
+  resource; `not: {}` admits nothing, and a `true` patternProperty nothing looks at is dropped;
+- a pattern opening with a negative lookahead of literal prefixes becomes two patterns without lookaround
+  (lookahead.py), for a backend that intersects them;
 - an object schema naming no properties admits any (the backends would otherwise allow only `{}`);
 - a `format` the backend enforces only approximately becomes an exact `pattern` (formats.py), and a
   format no validator asserts (`"format": "binary"`) is dropped, as validators ignore it.
@@ -40,14 +45,16 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 from plait.runtime.constrained.base import GrammarError
 from plait.runtime.constrained.closed_objects import close_objects
 from plait.runtime.constrained.formats import EXACT, NARROWER, SUBFORMAT
+from plait.runtime.constrained.lookahead import split_negative_prefixes
 from plait.runtime.constrained.schema_branches import Branches
-from plait.runtime.constrained.schema_keywords import (ASSERTED_FORMATS, ASSERTING, COUNTS, FAMILIES, FORMATS,
-                                                       LENGTHS_WITH_PATTERN, LLG_BOUND, LOWER, PATTERNS_INTERSECTED,
+from plait.runtime.constrained.schema_keywords import (ANNOTATIONS, ASSERTED_FORMATS, ASSERTING, COUNTS, FAMILIES,
+                                                       FORMATS, LENGTHS_WITH_PATTERN, LLG_BOUND, LOWER, PATTERNS_INTERSECTED,
                                                        SIBLINGS_WITH_ANYOF, SUPPORTED, TRUSTED_PATTERNS,
                                                        UNEVALUATED_BLOCKERS, UNTRUSTED_PATTERNS, conjunction, is_noop,
                                                        is_number, lookup, make_impossible, search, type_of)
@@ -71,6 +78,8 @@ def rewrite_schema(schema: Any, backend: str, narrow: bool = True) -> tuple[dict
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("json_schema must be a JSON object")
     schema = copy.deepcopy(schema)
+    if isinstance(schema, dict) and _LEGACY_DRAFT.search(str(schema.get("$schema", ""))):
+        refs_alone(schema)
     anchors_as_pointers(schema)
     walker = _Walker(schema, backend, narrow)
     walker.visit(schema, "#")
@@ -88,27 +97,57 @@ def rewrite_schema(schema: Any, backend: str, narrow: bool = True) -> tuple[dict
 
 
 _VALUES = ("const", "enum", "examples", "default")  # keywords whose values are data, not subschemas
+_LEGACY_DRAFT = re.compile(r"draft-0[3-7]/schema")
+
+
+def _nodes(schema: Any, ptr: str = "#"):
+    """(subschema-or-container dict, its pointer) for every dict in the schema, values of data keywords skipped."""
+    stack = [(schema, ptr)]
+    while stack:
+        node, ptr = stack.pop()
+        if isinstance(node, dict):
+            yield node, ptr
+            stack.extend((v, f"{ptr}/{_escaped(k)}") for k, v in node.items() if k not in _VALUES)
+        elif isinstance(node, list):
+            stack.extend((v, f"{ptr}/{i}") for i, v in enumerate(node))
+
+
+def refs_alone(schema: Any) -> None:
+    """Drafts 3 to 7: what stands beside a `$ref` is ignored (as validators do), so it is dropped rather than
+    enforced (`{"$ref": ..., "type": ...}` beside a recursive reference is more than some backends take)."""
+    for node, _ in _nodes(schema):
+        if isinstance(node.get("$ref"), str):
+            for key in [k for k in node if k in ASSERTING and k != "$ref"]:
+                del node[key]
 
 
 def anchors_as_pointers(schema: Any) -> None:
     """Rewrite, in place, each `$ref` to a plain-name anchor (`#foo`: a `$anchor`, or an `$id` of `#foo` in drafts
-    6 and 7) as the JSON pointer to the subschema that declares it, which every backend resolves."""
-    anchors, refs, stack = {}, [], [(schema, "#")]
-    while stack:
-        node, ptr = stack.pop()
-        if isinstance(node, dict):
-            for key in ("$anchor", "$id"):
-                name = node.get(key)
-                if isinstance(name, str) and name.startswith("#") == (key == "$id") and name.strip("#"):
-                    anchors.setdefault(name.lstrip("#"), ptr)
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#") and not ref.startswith("#/") and len(ref) > 1:
-                refs.append(node)
-            stack.extend((v, f"{ptr}/{_escaped(k)}") for k, v in node.items() if k not in _VALUES)
-        elif isinstance(node, list):
-            stack.extend((v, f"{ptr}/{i}") for i, v in enumerate(node))
-    for node in refs:
-        node["$ref"] = anchors.get(node["$ref"][1:], node["$ref"])
+    6 and 7) as the JSON pointer to the subschema that declares it, which every backend resolves. In a schema of
+    one resource (no `$id` below the root) a `$dynamicRef` can only land on its own resource's anchor: a `$ref`."""
+    anchors, refs, resources = {}, [], 0
+    for node, ptr in _nodes(schema):
+        for key in ("$anchor", "$dynamicAnchor", "$id"):
+            name = node.get(key)
+            if isinstance(name, str) and name.startswith("#") == (key == "$id") and name.strip("#"):
+                anchors.setdefault(name.lstrip("#"), ptr)
+        resources += isinstance(node.get("$id"), str) and not node["$id"].startswith("#") and ptr != "#"
+        for key in ("$ref", "$dynamicRef"):
+            ref = node.get(key)
+            if isinstance(ref, str) and ref.startswith("#") and len(ref) > 1:
+                refs.append((node, key))
+    for node, key in refs:
+        if key == "$dynamicRef":
+            if resources or "$ref" in node:
+                continue
+            node["$ref"] = node.pop("$dynamicRef")
+        if not node["$ref"].startswith("#/"):
+            node["$ref"] = anchors.get(node["$ref"][1:], node["$ref"])
+
+
+def _anything(sub: Any) -> bool:
+    """A subschema that admits every value: `true`, or only annotations."""
+    return sub is True or (isinstance(sub, dict) and not set(sub) - ANNOTATIONS)
 
 
 def _escaped(key: str) -> str:
@@ -232,6 +271,20 @@ class _Walker(Branches, Narrowing, Merging):
         for key in COUNTS:  # 2.0 is a count too (llguidance wants an integer)
             if isinstance(s.get(key), float) and s[key].is_integer():
                 s[key] = int(s[key])
+        if "not" in s and (s["not"] is False or _anything(s["not"])):
+            if s.pop("not") is not False:  # not of anything: nothing (an optional property so marked is absent)
+                s["enum"] = []
+        patterns = s.get("patternProperties")
+        if isinstance(patterns, dict) and s.get("additionalProperties", True) is True \
+                and "unevaluatedProperties" not in s:
+            for key in [k for k, v in patterns.items() if _anything(v)]:
+                del patterns[key]  # admits anything, and no additionalProperties or unevaluatedProperties looks at it
+            if not patterns:
+                s.pop("patternProperties")
+        split = split_negative_prefixes(s["pattern"]) if isinstance(s.get("pattern"), str) else None
+        if split and self.backend in PATTERNS_INTERSECTED:  # no lookaround: two patterns, intersected
+            s["pattern"] = split[0]
+            s.setdefault("allOf", []).append({"pattern": split[1]})
         self.infer_type(s, ptr)
         self.values_of_type(s)
         if self.backend == "llguidance" and self.narrow:
