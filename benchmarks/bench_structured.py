@@ -27,6 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+from bench_peers import cpu_name  # noqa: E402
 from report import save_results  # noqa: E402
 CORPUS = os.path.join(HERE, "..", "tests", "data", "schemas", "corpus.jsonl")
 
@@ -261,15 +262,23 @@ def _validator(row: dict):
         if validator.is_type(instance, "number") and (Fraction(str(instance)) / Fraction(str(divisor))).denominator != 1:
             yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor}")
 
-    # anyOf/oneOf stop at a branch's first error: jsonschema lists every error of each failing branch, which
-    # takes exponential time in a document nested through them (a recursive schema the model kept nesting)
+    # anyOf/oneOf judge each branch once per value (stopping at its first error): jsonschema lists every error
+    # of every branch, again at each level, which takes exponential time in a document nested through them (a
+    # recursive schema the model kept nesting). The document and schema outlive the memo, so ids stay unique.
+    memo: dict[tuple[int, int], bool] = {}
+
+    def valid(validator, instance, i: int, branch) -> bool:
+        key = (id(branch), id(instance))
+        if key not in memo:
+            memo[key] = next(validator.descend(instance, branch, schema_path=i), None) is None
+        return memo[key]
+
     def any_of(validator, branches, instance, schema):
-        if not any(next(validator.descend(instance, b, schema_path=i), None) is None for i, b in enumerate(branches)):
+        if not any(valid(validator, instance, i, b) for i, b in enumerate(branches)):
             yield jsonschema.ValidationError(f"{instance!r} is not valid under any of the given schemas")
 
     def one_of(validator, branches, instance, schema):
-        matched = [i for i, b in enumerate(branches)
-                   if next(validator.descend(instance, b, schema_path=i), None) is None]
+        matched = [i for i, b in enumerate(branches) if valid(validator, instance, i, b)]
         if len(matched) != 1:
             yield jsonschema.ValidationError(f"{instance!r} is valid under {len(matched)} of the oneOf's branches")
 
@@ -338,7 +347,8 @@ def completion_table(args) -> list[str]:
         eng.shutdown()
     accepted = len(rows) - counts["refused"]
     done = counts["complete"] + counts["closed"]
-    return [f"**Completion with the model** (every {args.completion_every}th corpus schema: {len(rows)}; temperature "
+    which = f"every {args.completion_every}th corpus schema" if args.completion_every > 1 else "every schema"
+    return [f"**Completion with the model** ({which}: {len(rows)}; temperature "
             f"0.7, max_new_tokens {args.completion_tokens}, 8 in flight; {time.perf_counter() - t0:.0f} s)", "",
             "| schemas | refused | accepted | complete | closed early (complete) | cut | invalid | server errors | "
             "complete and valid |",
@@ -388,7 +398,8 @@ def main() -> None:
                     help="for the corpus table (served: auto as the scheduler compiles, in worker processes)")
     args = ap.parse_args()
     cmd = "python benchmarks/bench_structured.py " + " ".join(sys.argv[1:])
-    lines = [f"`{cmd}` (fp32, {args.threads} threads, default model)", ""]
+    lines = [f"`{cmd}` (fp32, {args.threads} threads, default model; CPU: {cpu_name()}; load average "
+             f"{os.getloadavg()[0]:.2f} at the start)", ""]
 
     if not args.only_compile and not args.only_completion:
         lines += timing_tables(args)

@@ -14,6 +14,7 @@ parses and validates; the request reports it (finish_reason `length`, with the r
 from __future__ import annotations
 
 import json
+import string
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -54,6 +55,8 @@ class CloseVocab:
     vocab_size: int
     rank: dict[int, int]  # place in `ordered`
     quotes: torch.Tensor  # the ordered ids that begin with '"' (close a string)
+    punctuation: torch.Tensor  # the one-character ASCII punctuation tokens a string may hold (a pattern's separator)
+    fillers: torch.Tensor  # "a", "0": what a pattern's last part most often wants after its separator
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int, eos_ids: list[int]) -> "CloseVocab":
@@ -68,9 +71,12 @@ class CloseVocab:
         singles = sorted((i for i, s in enumerate(texts) if len(s) == 1), key=lambda i: not texts[i].isalnum())
         ordered = list(dict.fromkeys(closers + separated + values))
         ids = partial(torch.tensor, dtype=torch.long)
+        punctuation = [i for i in singles if texts[i].isascii() and texts[i] in string.punctuation
+                       and texts[i] not in '"\\']
         return cls(lambda text: tokenizer.encode(text, add_special_tokens=False), tuple(texts), ids(ordered),
                    ids(singles), ids(sorted(eos_ids)), vocab_size, {t: i for i, t in enumerate(ordered)},
-                   ids([t for t in ordered if texts[t].startswith('"')]))
+                   ids([t for t in ordered if texts[t].startswith('"')]), ids(punctuation),
+                   ids([first_id[c] for c in "a0" if c in first_id]))
 
 
 def _text_of(vocab: "CloseVocab", tok: int) -> str:
@@ -117,16 +123,29 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
         tried.sort(key=lambda t: key(state, t))
         tried = list(dict.fromkeys(forced[:1] + tried))
         if state.in_string and not allowed_bits(row, vocab.quotes).any():
-            # stuck inside a string (a pattern, a format, a minLength): first what lets it close next
-            tried.sort(key=lambda t: not opens_a_close(t))
+            # stuck inside a string (a pattern, a format, a minLength): first what lets it close next, then a
+            # kind of text the string does not hold yet (the `:` of `^[a-z]+:[a-z]+`, after runs of letters)
+            tried = list(dict.fromkeys(tried + vocab.punctuation[allowed_bits(row, vocab.punctuation)].tolist()))
+            tried.sort(key=lambda t: (steps_to_close(t), _kind(_text_of(vocab, t)) in state.kinds))
         return tried
 
-    def opens_a_close(tok: int) -> bool:
+    def steps_to_close(tok: int) -> int:
+        """0: a quote may follow `tok`; 1: it may after a letter or digit more; 2: neither (3: refused)."""
         if not matcher.accept_token(tok):
-            return False
+            return 3
         try:
             matcher.fill_bitmask(probe, 0)
-            return bool(allowed_bits(probe[0], vocab.quotes).any())
+            if allowed_bits(probe[0], vocab.quotes).any():
+                return 0
+            for filler in vocab.fillers[allowed_bits(probe[0], vocab.fillers)].tolist():
+                matcher.accept_token(filler)
+                try:
+                    matcher.fill_bitmask(probe, 0)
+                    if allowed_bits(probe[0], vocab.quotes).any():
+                        return 1
+                finally:
+                    matcher.rollback(1)
+            return 2
         finally:
             matcher.rollback(1)
 
@@ -181,6 +200,7 @@ class _Open:
     repeats: int = 0  # how many texts of one kind in a row were written inside the string (_kind)
     last: str = ""  # the kind of the last
     chars: str = ""  # the string's text so far (its first _KEPT_CHARS: enough to tell a property name)
+    kinds: frozenset[str] = frozenset()  # the kinds of text (_kind) written in the string
 
     @property
     def open(self) -> int:
@@ -206,8 +226,9 @@ class _Open:
                 depth += 1
             elif ch in "]}":
                 depth = max(0, depth - 1)
+        kinds = (self.kinds if self.in_string else frozenset()) | {kind} if in_string else frozenset()
         return _Open(depth, in_string, escaped, repeats if in_string else 0, kind if in_string else "",
-                     chars if in_string else "")
+                     chars if in_string else "", kinds)
 
 
 def _kind(text: str) -> str:
