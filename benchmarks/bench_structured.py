@@ -328,8 +328,12 @@ def completion_table(args) -> list[str]:
         except RepeatedKey as e:
             print(f"invalid: {row['id']}: {e}", file=sys.stderr, flush=True)
             return "invalid"
-        except json.JSONDecodeError:
-            return "cut" if finish["type"] == "length" else "invalid"
+        except json.JSONDecodeError as e:
+            if finish["type"] == "length":
+                return "cut"
+            print(f"invalid: {row['id']}: does not parse ({e}; finish {finish}): {out['text'][-300:]!r}",
+                  file=sys.stderr, flush=True)
+            return "invalid"
         error = next(_validator(row).iter_errors(doc), None)
         if error is not None:
             print(f"invalid: {row['id']}: {error.json_path}: {error.message[:200]}", file=sys.stderr, flush=True)
