@@ -243,7 +243,7 @@ def test_disconnect_mid_stream_frees_kv(server, http):
     ("/generate", {"text": "hi", "sampling_params": {"max_tokens": 3}}, 400, "max_tokens"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, 400, "temperature"),
     ("/generate", {"text": "hi", "sampling_params": {"regex": "(a+"}}, 400, "invalid regex"),
-    ("/generate", {"text": "hi", "sampling_params": {"json_schema": '{"not": {}}'}}, 400, "'not' at #/not"),
+    ("/generate", {"text": "hi", "sampling_params": {"json_schema": '{"not": {"pattern": "^a"}}'}}, 400, "'not' at #/not"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_schema"}}, 400, "schema"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400,
