@@ -138,7 +138,8 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
             if allowed_bits(probe[0], vocab.quotes).any():
                 return 0
             for filler in vocab.fillers[allowed_bits(probe[0], vocab.fillers)].tolist():
-                matcher.accept_token(filler)
+                if not matcher.accept_token(filler):
+                    continue
                 try:
                     matcher.fill_bitmask(probe, 0)
                     if allowed_bits(probe[0], vocab.quotes).any():
@@ -226,7 +227,7 @@ class _Open:
                 depth += 1
             elif ch in "]}":
                 depth = max(0, depth - 1)
-        kinds = (self.kinds if self.in_string else frozenset()) | {kind} if in_string else frozenset()
+        kinds = ((self.kinds if self.in_string else frozenset()) | {kind}) if in_string else frozenset()
         return _Open(depth, in_string, escaped, repeats if in_string else 0, kind if in_string else "",
                      chars if in_string else "", kinds)
 

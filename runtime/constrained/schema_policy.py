@@ -273,7 +273,7 @@ class _Walker(Branches, Narrowing, Merging):
                 s[key] = int(s[key])
         if "not" in s and (s["not"] is False or _anything(s["not"])):
             if s.pop("not") is not False:  # not of anything: nothing (an optional property so marked is absent)
-                s["enum"] = []
+                make_impossible(s)
         patterns = s.get("patternProperties")
         if isinstance(patterns, dict) and s.get("additionalProperties", True) is True \
                 and "unevaluatedProperties" not in s:
@@ -282,9 +282,9 @@ class _Walker(Branches, Narrowing, Merging):
             if not patterns:
                 s.pop("patternProperties")
         split = split_negative_prefixes(s["pattern"]) if isinstance(s.get("pattern"), str) else None
-        if split and self.backend in PATTERNS_INTERSECTED:  # no lookaround: two patterns, intersected
+        if split and self.may_add_pattern(s):  # no lookaround: two patterns, intersected
             s["pattern"] = split[0]
-            s.setdefault("allOf", []).append({"pattern": split[1]})
+            self.add_pattern(s, split[1])
         self.infer_type(s, ptr)
         self.values_of_type(s)
         if self.backend == "llguidance" and self.narrow:
