@@ -150,11 +150,16 @@ def test_grammar_edge_cases(http):
     t = time.monotonic()
     out = one({"regex": "((a|b){1,30}){1,30}(c|d){1,30}x", "max_new_tokens": 8})  # compiles in bounded time
     assert time.monotonic() - t < 30
-    # masks of 60 ms (llguidance) and no completion within any budget: each closing search stops at its time
-    # bound (once, 400 masks a search held the scheduler for minutes)
+    # masks of 40 ms (llguidance) and no completion within any budget: a closing search is bounded by a count of
+    # masks, and past its safety net in seconds it fails the request loudly instead of changing its output (once,
+    # 400 masks a search held the scheduler for minutes); a machine that computes its 1000 masks in time cuts it
     t = time.monotonic()
     out = one({"regex": "a{99999}", "max_new_tokens": 64})
-    assert out["meta_info"]["finish_reason"]["type"] == "length" and time.monotonic() - t < 60
+    assert time.monotonic() - t < 60
+    if "error" in out:
+        assert "closing the output took over" in out["error"]["message"], out
+    else:
+        assert out["meta_info"]["finish_reason"]["type"] == "length", out
     # a compile that would run for minutes (xgrammar) or past llguidance's limits: xgrammar's worker is
     # killed at its share of --grammar-compile-timeout (5 s here), llguidance refuses, and the grammars
     # after it compile (once, two of these held both compile threads, and the server's grammars, for good)

@@ -22,17 +22,20 @@ from typing import Callable
 
 import torch
 
-from plait.runtime.constrained.base import Matcher, token_texts
+from plait.runtime.constrained.base import GrammarError, Matcher, token_texts
 from plait.runtime.constrained.bitmask import allocate_bitmask, allow_only, allowed_bits
 
 # the search begins this many tokens before the budget ends (a longer completion is not looked for): a
 # document with several required values left (two date-times, an enum, a number) needs 50 tokens or more
 CLOSE_WINDOW = 160
-_MAX_STEPS = 400  # tokens a search may accept (each costs a mask); plans are kept while they hold
-# and the seconds it may take: it runs in the scheduler's loop, and a grammar whose masks are slow (a regex of
-# 99,999 repeats: 60 ms a mask) would hold every request's next step for the search's 400 masks. Searches on
-# ordinary grammars take a few ms, so this bound does not decide their plans
-_MAX_SEARCH_S = 0.1
+# the masks a search may compute (its unit of work: each node it expands, each candidate it probes). A count,
+# not a clock, bounds it, so a request closes the same way on any machine at any load; searches over ordinary
+# schemas take 250-320 masks at most (tests/test_grammar_backends.py)
+MAX_MASKS = 1000
+# a safety net, not a bound: a grammar whose masks are slow (a regex of 99,999 repeats: 60 ms a mask) would hold
+# every request's next step for a minute, so a search past this fails its request loudly (GrammarError: a 400)
+# rather than change its output
+SEARCH_SAFETY_S = 5.0
 _FALLBACK = 3
 _KEPT_CHARS = 64
 _REPEATS = 8  # texts of one kind this many times in a row in a string that cannot close: write another kind
@@ -90,16 +93,24 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
     first, trying first the tokens that leave the least JSON open (strings, arrays, objects) and, among
     equals, the closers, separators and short values in `vocab.ordered`, in passes of limited discrepancy
     (the preferred path, then those that leave it once, twice, then any); it backtracks out of dead ends
-    and paths that run past `limit`, within _MAX_STEPS tokens accepted and _MAX_SEARCH_S seconds. Inside a
+    and paths that run past `limit`, within MAX_MASKS masks (past SEARCH_SAFETY_S it raises GrammarError). Inside a
     string, text that begins a name the JSON schema requires (`required`: every prefix of those names, from
     required_prefixes) comes first, so an object's required keys are written before its optional ones. The
     matcher is left as it was."""
     bitmask, probe = allocate_bitmask(1, vocab.vocab_size), allocate_bitmask(1, vocab.vocab_size)
-    steps = 0
-    deadline = time.perf_counter() + _MAX_SEARCH_S
+    masks = 0
+    deadline = time.perf_counter() + SEARCH_SAFETY_S
+
+    def fill(bits: torch.Tensor) -> None:
+        nonlocal masks
+        masks += 1
+        if time.perf_counter() > deadline:
+            raise GrammarError(f"closing the output took over {SEARCH_SAFETY_S:g} s ({masks} masks): this "
+                               "grammar's masks are too slow to plan its end within max_new_tokens")
+        matcher.fill_bitmask(bits, 0)
 
     def spent() -> bool:
-        return steps >= _MAX_STEPS or time.perf_counter() > deadline
+        return masks >= MAX_MASKS
 
     def key(state: _Open, tok: int) -> tuple:
         text = _text_of(vocab, tok)
@@ -134,14 +145,14 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
         if not matcher.accept_token(tok):
             return 3
         try:
-            matcher.fill_bitmask(probe, 0)
+            fill(probe)
             if allowed_bits(probe[0], vocab.quotes).any():
                 return 0
             for filler in vocab.fillers[allowed_bits(probe[0], vocab.fillers)].tolist():
                 if not matcher.accept_token(filler):
                     continue
                 try:
-                    matcher.fill_bitmask(probe, 0)
+                    fill(probe)
                     if allowed_bits(probe[0], vocab.quotes).any():
                         return 1
                 finally:
@@ -152,8 +163,8 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
 
     def search(depth: int, state: _Open, slack: int) -> list[int] | None:
         """A completion from here that leaves the preferred token at most `slack` times (-1: any)."""
-        nonlocal steps
-        if may_end(matcher, vocab, bitmask):  # fills bitmask: the candidates come from it
+        fill(bitmask)  # the candidates come from it
+        if allowed_bits(bitmask[0], vocab.eos_ids).any():  # the grammar may end here
             return []
         if depth == limit:  # too long: back out (another choice, a shorter tool name, may fit)
             return None
@@ -169,7 +180,6 @@ def plan_close(matcher: Matcher, vocab: CloseVocab, text: "str | _Open", limit: 
                 return None
             if not matcher.accept_token(tok):
                 continue
-            steps += 1
             try:
                 rest = search(depth + 1, state.after(_text_of(vocab, tok)), slack - (taken > 0) if slack > 0 else slack)
             finally:
