@@ -12,7 +12,7 @@ outlines-core last.
 
 from __future__ import annotations
 
-from plait.runtime.constrained.base import GrammarBackend, GrammarError, JsonStyle
+from plait.runtime.constrained.base import Built, GrammarBackend, GrammarError, JsonStyle
 
 ORDER = ("llguidance", "xgrammar", "outlines")
 # keys in any order: only xgrammar writes them so (the others keep the schema's order, a subset); EBNF is
@@ -32,11 +32,11 @@ class AutoBackend(GrammarBackend):
     def compile(self, kind: str, text: str, style: JsonStyle = JsonStyle()):
         return self.first(kind, lambda backend: backend.compile(kind, text, style), style)
 
-    def build(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> tuple[str, bytes]:
+    def build(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> Built:
         return self.first(kind, lambda backend: backend.build(kind, text, style), style)
 
-    def load(self, backend: str, kind: str, text: str, style: JsonStyle, payload: bytes):
-        return self.named(backend).load(backend, kind, text, style, payload)
+    def load(self, built: Built, kind: str, text: str, style: JsonStyle):
+        return self.named(built.backend).load(built, kind, text, style)
 
     def named(self, name: str) -> GrammarBackend:
         return next(b for b in self.backends if b.name == name)

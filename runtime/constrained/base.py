@@ -96,21 +96,34 @@ def token_texts(tokenizer, n: int) -> list[str]:
     return [tokenizer.clean_up_tokenization(t) for t in texts] if tokenizer.clean_up_tokenization_spaces else texts
 
 
+@dataclass(frozen=True)
+class Built:
+    """A grammar a compile worker compiled (compile_worker.py): the backend that compiled it, what that
+    backend's `load` rebuilds it from, and the notes of the schema's rewrite (schema_policy.rewrite_schema)."""
+
+    backend: str
+    payload: bytes = b""
+    narrowed: tuple[str, ...] = ()
+
+
 class GrammarBackend(ABC):
     name: str
+    # a compile its own limits bound (fuel, not time): under auto it need not be cut short to leave time for the next
+    bounded_compile = False
 
     @abstractmethod
     def compile(self, kind: str, text: str, style: JsonStyle = JsonStyle()):
-        """A compiled grammar (with `.matcher() -> Matcher` and `.backend`, the name of the backend
-        that compiled it); `style` applies to json_schema. Raises GrammarError."""
+        """A compiled grammar (with `.matcher() -> Matcher`, `.backend`, the name of the backend that compiled
+        it, and `.narrowed`, the notes of a JSON schema's rewrite); `style` applies to json_schema. Raises
+        GrammarError."""
 
-    def build(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> tuple[str, bytes]:
-        """Compile in a compile worker (compile_worker.py): the name of the backend that compiled it
-        and the payload `load` rebuilds it from. By default the payload is empty and `load` compiles
-        again: the worker has shown the compile ends in time."""
-        return self.compile(kind, text, style).backend, b""
+    def build(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> Built:
+        """Compile in a compile worker. By default the payload is empty and `load` compiles again: the worker
+        has shown the compile ends in time."""
+        compiled = self.compile(kind, text, style)
+        return Built(compiled.backend, b"", compiled.narrowed)
 
-    def load(self, backend: str, kind: str, text: str, style: JsonStyle, payload: bytes):
+    def load(self, built: Built, kind: str, text: str, style: JsonStyle):
         """The compiled grammar `build` described, in this process."""
         return self.compile(kind, text, style)
 

@@ -28,7 +28,7 @@ from typing import Callable
 
 import msgspec
 
-from plait.runtime.constrained.base import GrammarBackend, GrammarError, JsonStyle
+from plait.runtime.constrained.base import Built, GrammarBackend, GrammarError, JsonStyle
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class CompileReply(msgspec.Struct, frozen=True):
     backend: str = ""  # the backend that compiled it (auto picks one)
     payload: bytes = b""  # what that backend's load() rebuilds the grammar from
     error: str = ""  # a GrammarError's message: the grammar is refused
+    narrowed: list[str] = []  # the notes of a JSON schema's rewrite (how it was narrowed)
     ready: bool = False  # the first frame a worker sends, once its backend is built
 
 
@@ -180,9 +181,10 @@ FALL_THROUGH_S = 1.0
 class IsolatedCompiler:
     """GrammarCache's compiler in the scheduler: compiles in a CompileWorker, loads the result here.
 
-    Under `auto` it tries the backends one job at a time, and each but the last gets at most half of
-    the time left, and no more than FALL_THROUGH_S: a grammar that xgrammar would compile for minutes
-    falls through to llguidance (milliseconds) within a second instead of failing at the timeout."""
+    Under `auto` it tries the backends one job at a time, and each but the last whose compile nothing else
+    bounds gets at most half of the time left, and no more than FALL_THROUGH_S: a grammar that xgrammar would
+    compile for minutes falls through to llguidance (milliseconds) within a second instead of failing at the
+    timeout."""
 
     def __init__(self, backend: GrammarBackend, config: WorkerConfig, timeout: float):
         self.backend, self.config, self.timeout = backend, config, timeout
@@ -224,11 +226,14 @@ class IsolatedCompiler:
 
         if isinstance(self.backend, AutoBackend):
             last = self.backend.candidates(kind, style)[-1].name
+            # a backend whose compile its own limits bound (llguidance's fuel) gets the whole timeout: which backend
+            # compiles a grammar is then decided by work, not by the machine's speed (the timeout stays a safety net)
             reply = self.backend.first(kind, lambda backend: remote(
-                msgspec.structs.replace(job, only=backend.name), 1.0 if backend.name == last else 0.5), style)
+                msgspec.structs.replace(job, only=backend.name),
+                1.0 if backend.name == last or backend.bounded_compile else 0.5), style)
         else:
             reply = remote(job, 1.0)
-        return self.backend.load(reply.backend, kind, text, style, reply.payload)
+        return self.backend.load(Built(reply.backend, reply.payload, tuple(reply.narrowed)), kind, text, style)
 
     def close(self) -> None:
         if self.worker is not None:
@@ -299,8 +304,8 @@ def main() -> None:
         job = msgspec.msgpack.decode(frame, type=CompileJob)
         try:
             chosen = backend.named(job.only) if job.only else backend
-            name, payload = chosen.build(job.kind, job.text, JsonStyle(job.whitespace, job.key_order, job.narrow))
-            reply = CompileReply(backend=name, payload=payload)
+            built = chosen.build(job.kind, job.text, JsonStyle(job.whitespace, job.key_order, job.narrow))
+            reply = CompileReply(backend=built.backend, payload=built.payload, narrowed=list(built.narrowed))
         except GrammarError as e:
             reply = CompileReply(error=str(e))
         except Exception as e:  # noqa: BLE001 - a compiler bug fails this grammar alone, as in-process

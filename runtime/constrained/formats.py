@@ -50,3 +50,13 @@ NARROWER = {
 }
 # ... or by a format they include: every URI is an IRI, every e-mail address an internationalised one
 SUBFORMAT = {"iri": "uri", "idn-email": "email"}
+
+# OpenAPI's formats of integers and numbers, enforced as the ranges of their machine types (schema_policy.py)
+NUMBER_FORMATS = {
+    "int8": (-2**7, 2**7 - 1), "int16": (-2**15, 2**15 - 1), "int32": (-2**31, 2**31 - 1), "int64": (-2**63, 2**63 - 1),
+    "uint8": (0, 2**8 - 1), "uint16": (0, 2**16 - 1), "uint32": (0, 2**32 - 1), "uint64": (0, 2**64 - 1),
+    "float": (-3.4028234663852886e38, 3.4028234663852886e38),
+    "double": (-1.7976931348623157e308, 1.7976931348623157e308),
+}
+# formats OpenAPI and common generators write as annotations (no validator asserts them): ignored without a note
+KNOWN_ANNOTATIONS = {"binary", "byte", "password", "textarea", "color", "markdown", "html", "base64", "text"}

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from plait.runtime.constrained.base import (MAX_WHITESPACE, GrammarBackend, GrammarError, JsonStyle, Matcher,
+from plait.runtime.constrained.base import (MAX_WHITESPACE, Built, GrammarBackend, GrammarError, JsonStyle, Matcher,
                                             complete_utf8_prefix)
-from plait.runtime.constrained.schema_policy import prepare_schema
+from plait.runtime.constrained.schema_policy import rewrite_schema
 
 if TYPE_CHECKING:  # annotations only: the compile worker runs without torch (compile_worker.py)
     import torch
@@ -70,8 +70,8 @@ class _Compiled:
 
     backend = "llguidance"
 
-    def __init__(self, matcher, eos_ids: frozenset[int]):
-        self._template, self._eos = matcher, eos_ids
+    def __init__(self, matcher, eos_ids: frozenset[int], grammar: str, narrowed: tuple[str, ...] = ()):
+        self._template, self._eos, self.grammar, self.narrowed = matcher, eos_ids, grammar, narrowed
 
     def matcher(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self._template.deep_copy(), self._eos)
@@ -79,6 +79,7 @@ class _Compiled:
 
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
+    bounded_compile = True  # its lexer and parser run on fuel (ParserLimits): a compile cannot run away
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
         import llguidance.hf  # binds llguidance too
@@ -93,11 +94,21 @@ class LLGuidanceBackend(GrammarBackend):
             self._tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
         self._eos = frozenset(eos_ids)
 
+    def build(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> Built:
+        """The grammar llguidance made of the request's (a JSON schema's rewrite and conversion done once, in the
+        worker): load() builds the matcher from it."""
+        compiled = self.compile(kind, text, style)
+        return Built(self.name, compiled.grammar.encode(), compiled.narrowed)
+
+    def load(self, built: Built, kind: str, text: str, style: JsonStyle) -> _Compiled:
+        return self._matcher(kind, built.payload.decode(), built.narrowed, probe=False)
+
     def compile(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> _Compiled:
         import llguidance
 
+        narrowed = ()
         if kind == "json_schema":  # keys in the schema's order always (llguidance has no other)
-            schema = prepare_schema(text, self.name, style.narrow)
+            schema, narrowed = rewrite_schema(text, self.name, style.narrow)
             if style.whitespace == "flexible":
                 options = {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE}}}"}
             else:  # xgrammar's compact separators, so the backends write alike
@@ -113,15 +124,20 @@ class LLGuidanceBackend(GrammarBackend):
             except Exception as e:  # noqa: BLE001 - the converter raises plain exceptions on bad GBNF
                 raise GrammarError(f"invalid ebnf: {_first_line(e)}") from None
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        return self._matcher(kind, grammar, narrowed, probe=True)
+
+    def _matcher(self, kind: str, grammar: str, narrowed: tuple[str, ...], probe: bool) -> _Compiled:
+        import llguidance
+
         matcher = llguidance.LLMatcher(self._tok, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {kind}: {_first_line(matcher.get_error())}")
-        # the first mask, on a copy: a grammar past llguidance's limits fails here (a 400), not mid-request
-        probe = matcher.deep_copy()
-        probe.compute_bitmask()
-        if probe.is_error():
-            raise GrammarError(f"{kind} exceeds llguidance's limits: {_first_line(probe.get_error())}")
-        return _Compiled(matcher, self._eos)
+        if probe:  # the first mask, on a copy: a grammar past llguidance's limits fails here (a 400), not mid-request
+            first = matcher.deep_copy()
+            first.compute_bitmask()
+            if first.is_error():
+                raise GrammarError(f"{kind} exceeds llguidance's limits: {_first_line(first.get_error())}")
+        return _Compiled(matcher, self._eos, grammar, narrowed)
 
 
 def _first_line(e) -> str:

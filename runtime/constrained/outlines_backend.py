@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from plait.runtime.constrained.base import MAX_WHITESPACE, GrammarBackend, GrammarError, JsonStyle, Matcher
-from plait.runtime.constrained.schema_policy import prepare_schema
+from plait.runtime.constrained.base import MAX_WHITESPACE, Built, GrammarBackend, GrammarError, JsonStyle, Matcher
+from plait.runtime.constrained.schema_policy import rewrite_schema
 
 if TYPE_CHECKING:  # annotations only: the compile worker runs without torch (compile_worker.py)
     import torch
@@ -88,8 +88,8 @@ class OutlinesMatcher(Matcher):
 class _Compiled:
     backend = "outlines"
 
-    def __init__(self, index, eos_id: int, decode):
-        self.index, self.eos_id, self.decode = index, eos_id, decode
+    def __init__(self, index, eos_id: int, decode, narrowed: tuple[str, ...] = ()):
+        self.index, self.eos_id, self.decode, self.narrowed = index, eos_id, decode, narrowed
 
     def matcher(self) -> OutlinesMatcher:
         return OutlinesMatcher(self.index, self.eos_id, self.decode)
@@ -111,9 +111,10 @@ class OutlinesBackend(GrammarBackend):
 
         if kind == "ebnf":
             raise GrammarError("the outlines backend has no EBNF support (use --grammar-backend xgrammar)")
+        narrowed = ()
         try:
             if kind == "json_schema":
-                schema = prepare_schema(text, self.name, style.narrow)
+                schema, narrowed = rewrite_schema(text, self.name, style.narrow)
                 # compact: no whitespace at all (outlines-core puts the gap pattern around every separator)
                 gap = f"[ \\t\\n\\r]{{0,{MAX_WHITESPACE}}}" if style.whitespace == "flexible" else ""
                 regex = build_regex_from_schema(json.dumps(schema), gap)
@@ -124,16 +125,17 @@ class OutlinesBackend(GrammarBackend):
             raise
         except (ValueError, RuntimeError, TypeError) as e:
             raise GrammarError(f"invalid {kind}: {str(e).strip().splitlines()[0]}") from None
-        return _Compiled(index, self._eos, self._decode)
+        return _Compiled(index, self._eos, self._decode, narrowed)
 
-    def build(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> tuple[str, bytes]:
-        _, (data,) = self.compile(kind, text, style).index.__reduce__()  # (Index.from_binary, (bytes,))
-        return self.name, data
+    def build(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> Built:
+        compiled = self.compile(kind, text, style)
+        _, (data,) = compiled.index.__reduce__()  # (Index.from_binary, (bytes,))
+        return Built(self.name, data, compiled.narrowed)
 
-    def load(self, backend: str, kind: str, text: str, style: JsonStyle, payload: bytes) -> _Compiled:
+    def load(self, built: Built, kind: str, text: str, style: JsonStyle) -> _Compiled:
         from outlines_core import Index
 
-        return _Compiled(Index.from_binary(payload), self._eos, self._decode)
+        return _Compiled(Index.from_binary(built.payload), self._eos, self._decode, built.narrowed)
 
 
 def token_bytes(tokenizer, vocab_size: int) -> dict[bytes, list[int]]:

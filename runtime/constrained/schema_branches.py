@@ -8,8 +8,9 @@ import copy
 import json
 from typing import Any
 
-from plait.runtime.constrained.schema_keywords import (ASSERTING, JSON_TYPES, NOT_MERGED_INTO_BRANCHES, lookup,
-                                                       type_of, pinned_values)
+from plait.runtime.constrained.schema_keywords import (ASSERTING, JSON_TYPES, MAX_BRANCH_PAIRS,
+                                                       NOT_MERGED_INTO_BRANCHES, conjunction, lookup,
+                                                       make_impossible, pinned_values, type_of)
 
 
 class Branches:
@@ -39,7 +40,8 @@ class Branches:
             if self.narrow:
                 candidates += [n for n in (
                     [self.closed_object(b) for b in branches], self.exclusive(branches, s),
-                    self.discriminated(branches), self.without_pinned(branches)) if n is not None]
+                    self.discriminated(branches), self.without_pinned(branches), self.typed_apart(branches))
+                    if n is not None]
             best = []
             for candidate in candidates:
                 kept = self.exclusive_of_others(candidate, sent, root)
@@ -59,7 +61,15 @@ class Branches:
             self.bad(f"{ptr}/oneOf", "'oneOf' whose branches may overlap (exactly-one cannot be enforced"
                      + (f": branches {pair[0]} and {pair[1]} may both match" if pair else "") + ")")
         elif s.get("anyOf"):
-            self.bad(f"{ptr}/oneOf", "'oneOf' beside 'anyOf'")
+            # (A1 or A2) and exactly one of (B1, B2), whose branches now exclude one another: every pair (exact),
+            # less those no instance satisfies
+            pairs = [conjunction(a, b) for a in s["anyOf"] for b in chosen if not self.pair_disjoint(a, b)]
+            if len(pairs) > MAX_BRANCH_PAIRS:
+                self.bad(f"{ptr}/oneOf", f"'oneOf' beside 'anyOf' ({len(pairs)} pairs of branches, over {MAX_BRANCH_PAIRS})")
+            elif not pairs:
+                make_impossible(s)
+            else:
+                s["anyOf"] = pairs
         else:
             s["anyOf"] = chosen
 
@@ -101,16 +111,37 @@ class Branches:
             out.append(branch if "not" in b else b)
         return out
 
+    def typed_apart(self, branches: list) -> list | None:
+        """Each branch less the JSON types another branch admits (a branch of anything, such as ajv's
+        `{"typeof": "function"}`, beside `{"type": "string"}`: exactly one holds only for the types the others
+        leave); a branch left no type admits nothing. None where no two branches share a type."""
+        types = [self.types(b) for b in branches]
+        if sum(len(t) for t in types) == len(set().union(*types)):
+            return None
+        out, numbers = [], {"integer", "number"}
+        for i, branch in enumerate(branches):
+            # numbers stay: an integer branch beside a number branch is not told apart by type (1.5 is a number only)
+            mine = types[i] - (set().union(*(t for j, t in enumerate(types) if j != i)) - numbers)
+            b = self.deref(branch)
+            if mine == types[i] or not isinstance(b, dict):
+                out.append(branch)
+            elif not mine:
+                out.append(False)
+            else:
+                out.append({**copy.deepcopy(b), "type": sorted(mine - {"integer"} if "number" in mine else mine)})
+        return out
+
     def exclusive_of_others(self, candidate: list, sent: list, root: Any) -> list[tuple[int, Any]]:
         """(index, branch) of the candidate branches that admit nothing another branch as sent admits."""
-        return [(i, b) for i, b in enumerate(candidate)
-                if all(self.pair_disjoint(b, sent[j], rb=root) for j in range(len(sent)) if j != i)]
+        return [(i, b) for i, b in enumerate(candidate) if b is not False
+                and all(self.pair_disjoint(b, sent[j], rb=root) for j in range(len(sent)) if j != i)]
 
     def sent_branches(self, s: dict, ptr: str, branches: list) -> tuple[list | None, Any]:
         """This oneOf's branches as sent, and the schema to resolve them in: the walk rewrites in place,
         and a definition it has narrowed elsewhere no longer says what the sender's branch admits.
         (None, None) where they cannot be found as sent."""
-        for where in (ptr, self.origins.get(id(s))):  # here, or the allOf part it was merged from
+        merged_from = self.origins.get(id(s), (None, None))[1]
+        for where in (ptr, merged_from):  # here, or the allOf part it was merged from
             node = lookup(self.original, where) if where else None
             found = node.get("oneOf") if isinstance(node, dict) else None
             if isinstance(found, list) and len(found) == len(branches):
@@ -182,6 +213,9 @@ class Branches:
             return True
         if not (isinstance(a, dict) and isinstance(b, dict)):
             return False
+        pins = self.pinned(a), self.pinned(b)
+        if None not in pins and not (_values(pins[0]) & _values(pins[1])):
+            return True  # both pin values, none in common (a discriminator's consts: no validator needed)
         for x, y in ((a, b), (b, a)):  # the values one pins, each checked against the other
             values = self.pinned(x)
             if values is not None and not any(self.admits(y, json.loads(v)) for v in values):
@@ -223,17 +257,40 @@ class Branches:
 
     def admits(self, sub: Any, value: Any) -> bool:
         """Whether jsonschema finds `value` valid for `sub` (references resolved in the schema as sent:
-        the walk rewrites the one it is given). True when it cannot tell."""
-        import jsonschema
-
-        root = self.original if isinstance(self.original, dict) else {}
-        probe = {k: v for k, v in root.items() if k in ("definitions", "$defs")}
-        probe["allOf"] = [sub]
-        cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
+        the walk rewrites the one it is given). True when it cannot tell. One validator serves the walk (its
+        registry of the definitions is most of a validator's cost), and the answers for the schema as sent,
+        which the walk never changes, are remembered."""
+        key = (id(sub), json.dumps(value, sort_keys=True)) if id(sub) in self.sent_ids() else None
+        if key is not None and key in self.admitted:
+            return self.admitted[key]
         try:
-            return cls(probe, format_checker=cls.FORMAT_CHECKER).is_valid(value)
+            ok = next(self.validator().descend(value, sub), None) is None
         except Exception:  # noqa: BLE001 - an unresolvable reference, a bad pattern: assume it admits
-            return True
+            ok = True
+        if key is not None:
+            self.admitted[key] = ok
+        return ok
+
+    def validator(self):
+        if self.checker is None:
+            import jsonschema
+
+            root = self.original if isinstance(self.original, dict) else {}
+            probe = {k: v for k, v in root.items() if k in ("definitions", "$defs")}
+            cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
+            self.checker = cls(probe, format_checker=cls.FORMAT_CHECKER)
+        return self.checker
+
+    def sent_ids(self) -> set[int]:
+        """The ids of the schema as sent's every node (it outlives the walk, so they stay unique)."""
+        if self.original_ids is None:
+            self.original_ids, stack = set(), [self.original]
+            while stack:
+                node = stack.pop()
+                if isinstance(node, (dict, list)):
+                    self.original_ids.add(id(node))
+                    stack.extend(node.values() if isinstance(node, dict) else node)
+        return self.original_ids
 
     def discriminated(self, branches: list) -> list | None:
         """Object branches that pin one property to values no other branch allows (or give it schemas no
@@ -311,6 +368,15 @@ class Branches:
         if b["additionalProperties"] is False and not b.get("required") and named:
             b["required"] = [named[0]]  # else `{}` would match every such branch
         return b
+
+
+def _values(pinned: set[str]) -> set[str]:
+    """Pinned values (JSON texts) as JSON compares them: 1.0 is 1."""
+    out = set()
+    for text in pinned:
+        v = json.loads(text)
+        out.add(json.dumps(int(v)) if isinstance(v, float) and v.is_integer() else text)
+    return out
 
 
 def _above(x: dict, y: dict) -> bool:

@@ -77,7 +77,10 @@ CLASH = object()
 # in-place applicators whose evaluated names or items the unevaluated* rewrites do not follow
 UNEVALUATED_BLOCKERS = {"$ref", "allOf", "if", "then", "else", "dependentSchemas", "not", "$dynamicRef",
                          "$recursiveRef"}
-LLG_BOUND = 2 ** 62
+CLAMPED_BOUND = 2 ** 62
+CLAMPED_BOUNDS = {"llguidance", "xgrammar"}  # backends whose bounds clamp_bounds keeps within CLAMPED_BOUND
+# (A1 or A2) and (B1 or B2) becomes every pair of branches: at most this many (the grammar grows with each)
+MAX_BRANCH_PAIRS = 32
 NOT_MERGED_INTO_BRANCHES = {"anyOf", "oneOf", "allOf", "if", "then", "else", "not", "$ref"}
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import copy
 
-from plait.runtime.constrained.schema_keywords import (ANNOTATIONS, ASSERTING, CLASH, conjunction, make_impossible,
-                                                       merge_keyword)
+from plait.runtime.constrained.schema_keywords import (ANNOTATIONS, ASSERTING, CLASH, MAX_BRANCH_PAIRS, conjunction,
+                                                       make_impossible, merge_keyword)
 
 
 class Merging:
@@ -29,6 +29,8 @@ class Merging:
             if not isinstance(part, dict):
                 self.bad(where, "'allOf' with a false part")
                 continue
+            if self.unfetched(part.get("$ref"), where):
+                return make_impossible(s)
             if "$ref" in part and len([k for k in part if k not in ANNOTATIONS]) == 1:
                 target = self.resolve(part["$ref"], where)
                 if not isinstance(target, dict) or "$ref" in target:
@@ -38,6 +40,7 @@ class Merging:
             part = copy.deepcopy(part)
             if not self.own_unevaluated(part, where):
                 continue
+            self.exact_format(part, where)
             self.infer_type(part, where)
             self.if_then_else(part, where, context=s)
             if self.narrow:
@@ -45,7 +48,7 @@ class Merging:
             # a part's own parts next, before the following parts (a narrowed `if` is merged before the next is judged)
             queue[0:0] = [(f"{where}/allOf/{i}", sub) for i, sub in enumerate(part.pop("allOf", None) or [])]
             if "oneOf" in part:
-                self.origins[id(s)] = where
+                self.origins[id(s)] = (s, where)  # s kept alive: its id names no other schema
             self.merge_part(s, part, where)
 
     def merge_part(self, s: dict, part: dict, where: str) -> None:
@@ -72,7 +75,7 @@ class Merging:
             if key == "anyOf" and isinstance(value, list) and isinstance(s[key], list):
                 # (A1 or A2) and (B1 or B2): every pair, less those no instance satisfies
                 merged = [conjunction(x, y) for x in s[key] for y in value if not self.pair_disjoint(x, y)]
-                merged = merged if 0 < len(merged) <= 32 else CLASH
+                merged = merged if 0 < len(merged) <= MAX_BRANCH_PAIRS else CLASH
             else:
                 merged = merge_keyword(key, s[key], value)
             if key == "pattern" and self.may_add_pattern(s):

@@ -45,21 +45,22 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from typing import Any
 
 from plait.runtime.constrained.base import GrammarError
 from plait.runtime.constrained.closed_objects import close_objects
-from plait.runtime.constrained.formats import EXACT, NARROWER, SUBFORMAT
+from plait.runtime.constrained.formats import EXACT, KNOWN_ANNOTATIONS, NARROWER, NUMBER_FORMATS, SUBFORMAT
 from plait.runtime.constrained.lookahead import split_negative_prefixes
 from plait.runtime.constrained.schema_branches import Branches
 from plait.runtime.constrained.schema_keywords import (ANNOTATIONS, ASSERTED_FORMATS, ASSERTING, COUNTS, FAMILIES,
-                                                       FORMATS, LENGTHS_WITH_PATTERN, LLG_BOUND, LOWER, PATTERNS_INTERSECTED,
+                                                       FORMATS, LENGTHS_WITH_PATTERN, CLAMPED_BOUND, CLAMPED_BOUNDS, LOWER, PATTERNS_INTERSECTED,
                                                        SIBLINGS_WITH_ANYOF, SUPPORTED, TRUSTED_PATTERNS,
                                                        UNEVALUATED_BLOCKERS, UNTRUSTED_PATTERNS, conjunction, is_noop,
                                                        is_number, lookup, make_impossible, search, type_of)
 from plait.runtime.constrained.schema_merge import Merging
 from plait.runtime.constrained.schema_narrowing import Narrowing
+from plait.runtime.constrained.schema_refs import (LEGACY_DRAFT, anchors_as_pointers, plain_refs, recursive_refs,
+                                                   refs_alone)
 
 
 def prepare_schema(schema: Any, backend: str, narrow: bool = True) -> dict | bool:
@@ -68,7 +69,7 @@ def prepare_schema(schema: Any, backend: str, narrow: bool = True) -> dict | boo
     return rewrite_schema(schema, backend, narrow)[0]
 
 
-def rewrite_schema(schema: Any, backend: str, narrow: bool = True) -> tuple[dict | bool, list[str]]:
+def rewrite_schema(schema: Any, backend: str, narrow: bool = True) -> tuple[dict | bool, tuple[str, ...]]:
     """prepare_schema's schema, and the narrowings it applied (each said where)."""
     if isinstance(schema, str):
         try:
@@ -78,13 +79,17 @@ def rewrite_schema(schema: Any, backend: str, narrow: bool = True) -> tuple[dict
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("json_schema must be a JSON object")
     schema = copy.deepcopy(schema)
-    if isinstance(schema, dict) and _LEGACY_DRAFT.search(str(schema.get("$schema", ""))):
+    if isinstance(schema, dict) and LEGACY_DRAFT.search(str(schema.get("$schema", ""))):
         refs_alone(schema)
     anchors_as_pointers(schema)
+    recursive_refs(schema)
+    plain_refs(schema)
     walker = _Walker(schema, backend, narrow)
     walker.visit(schema, "#")
     if walker.impossible(schema):
-        walker.problems.insert(0, "a schema that no value satisfies (its types, values or required parts clash) at #")
+        walker.problems.insert(0, f"a schema that needs what {walker.remote[0]!r} names (another document: plait "
+                               "fetches none) at #" if walker.remote else
+                               "a schema that no value satisfies (its types, values or required parts clash) at #")
     if walker.problems:
         shown = "; ".join(walker.problems[:8]) + (f"; and {len(walker.problems) - 8} more" if len(walker.problems) > 8 else "")
         raise GrammarError(f"json_schema uses what the {backend} backend cannot enforce: {shown}")
@@ -93,65 +98,12 @@ def rewrite_schema(schema: Any, backend: str, narrow: bool = True) -> tuple[dict
         # the rewrite speaks draft 2020-12 (tuple `items` became `prefixItems`): a backend told the sender's
         # older draft would read `prefixItems` as an unknown word and let any item through
         schema.pop("$schema", None)
-    return schema, list(dict.fromkeys(walker.narrowed))
-
-
-_VALUES = ("const", "enum", "examples", "default")  # keywords whose values are data, not subschemas
-_LEGACY_DRAFT = re.compile(r"draft-0[3-7]/schema")
-
-
-def _nodes(schema: Any, ptr: str = "#"):
-    """(subschema-or-container dict, its pointer) for every dict in the schema, values of data keywords skipped."""
-    stack = [(schema, ptr)]
-    while stack:
-        node, ptr = stack.pop()
-        if isinstance(node, dict):
-            yield node, ptr
-            stack.extend((v, f"{ptr}/{_escaped(k)}") for k, v in node.items() if k not in _VALUES)
-        elif isinstance(node, list):
-            stack.extend((v, f"{ptr}/{i}") for i, v in enumerate(node))
-
-
-def refs_alone(schema: Any) -> None:
-    """Drafts 3 to 7: what stands beside a `$ref` is ignored (as validators do), so it is dropped rather than
-    enforced (`{"$ref": ..., "type": ...}` beside a recursive reference is more than some backends take)."""
-    for node, _ in _nodes(schema):
-        if isinstance(node.get("$ref"), str):
-            for key in [k for k in node if k in ASSERTING and k != "$ref"]:
-                del node[key]
-
-
-def anchors_as_pointers(schema: Any) -> None:
-    """Rewrite, in place, each `$ref` to a plain-name anchor (`#foo`: a `$anchor`, or an `$id` of `#foo` in drafts
-    6 and 7) as the JSON pointer to the subschema that declares it, which every backend resolves. In a schema of
-    one resource (no `$id` below the root) a `$dynamicRef` can only land on its own resource's anchor: a `$ref`."""
-    anchors, refs, resources = {}, [], 0
-    for node, ptr in _nodes(schema):
-        for key in ("$anchor", "$dynamicAnchor", "$id"):
-            name = node.get(key)
-            if isinstance(name, str) and name.startswith("#") == (key == "$id") and name.strip("#"):
-                anchors.setdefault(name.lstrip("#"), ptr)
-        resources += isinstance(node.get("$id"), str) and not node["$id"].startswith("#") and ptr != "#"
-        for key in ("$ref", "$dynamicRef"):
-            ref = node.get(key)
-            if isinstance(ref, str) and ref.startswith("#") and len(ref) > 1:
-                refs.append((node, key))
-    for node, key in refs:
-        if key == "$dynamicRef":
-            if resources or "$ref" in node:
-                continue
-            node["$ref"] = node.pop("$dynamicRef")
-        if not node["$ref"].startswith("#/"):
-            node["$ref"] = anchors.get(node["$ref"][1:], node["$ref"])
+    return schema, tuple(dict.fromkeys(walker.narrowed))
 
 
 def _anything(sub: Any) -> bool:
     """A subschema that admits every value: `true`, or only annotations."""
     return sub is True or (isinstance(sub, dict) and not set(sub) - ANNOTATIONS)
-
-
-def _escaped(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")
 
 
 class _Walker(Branches, Narrowing, Merging):
@@ -163,13 +115,32 @@ class _Walker(Branches, Narrowing, Merging):
         self.original = copy.deepcopy(root)  # the walk rewrites root in place
         self.narrowed: list[str] = []  # each narrowing, said where
         self.narrower = False  # some subschema admits less than it did (a narrowing, a pinned type)
-        self.origins: dict[int, str] = {}  # id(schema) -> where its oneOf came from (a merged allOf part)
+        # id(schema) -> (the schema, where its oneOf came from: a merged allOf part)
+        self.origins: dict[int, tuple[dict, str]] = {}
         self.backend = backend
         self.narrow = narrow
         self.supported = SUPPORTED[backend]
         self.problems: list[str] = []
-        self.seen: set[int] = set()
+        self.seen: dict[int, Any] = {}  # id -> the subschema visited (kept alive: its id names no other)
         self.one_ofs: dict[str, list] | None = None  # Branches.sent_one_ofs
+        self.checker = None  # Branches.validator
+        self.original_ids: set[int] | None = None  # Branches.sent_ids
+        self.admitted: dict[tuple[int, str], bool] = {}  # Branches.admits of the schema as sent
+        self.remote: list[str] = []  # references to other documents, taken as admitting no value (unfetched)
+        # 2020-12's format-assertion vocabulary asked for: an unknown format is refused, not ignored
+        vocabulary = root.get("$vocabulary") if isinstance(root, dict) else None
+        self.assert_formats = isinstance(vocabulary, dict) and any(
+            "format-assertion" in str(k) and v for k, v in vocabulary.items())
+
+    def unfetched(self, ref: Any, ptr: str) -> bool:
+        """A reference to another document (plait fetches none): with narrowing, taken as admitting no value, so
+        an anyOf branch or an optional property it names is left out (each value written is then one it cannot
+        refuse); where it is required, the schema is refused naming it."""
+        if not isinstance(ref, str) or ref.startswith("#") or not self.narrow:
+            return False
+        self.remote.append(ref)
+        self.note(ptr, f"$ref {ref!r} (another document, not fetched) as no value")
+        return True
 
     def bad(self, ptr: str, what: str) -> None:
         self.problems.append(f"{what} at {ptr}")
@@ -192,7 +163,7 @@ class _Walker(Branches, Narrowing, Merging):
             return
         if id(s) in self.seen:
             return
-        self.seen.add(id(s))
+        self.seen[id(s)] = s
         self.normalize(s, ptr)
         for key in list(s):
             if key not in ASSERTING:
@@ -204,6 +175,7 @@ class _Walker(Branches, Narrowing, Merging):
         if (self.backend not in LENGTHS_WITH_PATTERN and ("pattern" in s or "format" in s)
                 and ("minLength" in s or "maxLength" in s)):
             self.bad(ptr, f"minLength/maxLength beside pattern or format (the {self.backend} backend drops one)")
+        self.exact_format(s, ptr)  # again: an allOf merged since may have brought a format
         fmt = s.get("format")
         if isinstance(fmt, str) and fmt not in FORMATS[self.backend]:
             self.bad(f"{ptr}/format", f"format {fmt!r}")
@@ -259,6 +231,8 @@ class _Walker(Branches, Narrowing, Merging):
         return sub is False or (isinstance(sub, dict) and sub.get("enum") == [])
 
     def normalize(self, s: dict, ptr: str) -> None:
+        if self.unfetched(s.get("$ref"), ptr):
+            return make_impossible(s)
         for bound, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
             if isinstance(s.get(bound), bool):  # draft 4: a flag on minimum/maximum
                 if s.pop(bound) and plain in s:
@@ -285,11 +259,11 @@ class _Walker(Branches, Narrowing, Merging):
         if split and self.may_add_pattern(s):  # no lookaround: two patterns, intersected
             s["pattern"] = split[0]
             self.add_pattern(s, split[1])
+        self.exact_format(s, ptr)  # before infer_type: an unknown format says nothing of the type, int32 a number
         self.infer_type(s, ptr)
         self.values_of_type(s)
-        if self.backend == "llguidance" and self.narrow:
+        if self.backend in CLAMPED_BOUNDS and self.narrow:
             self.clamp_bounds(s, ptr)
-        self.exact_format(s, ptr)
         if s.get("uniqueItems") is False or (s.get("uniqueItems") and s.get("maxItems", 2) <= 1):
             s.pop("uniqueItems")
         if "minProperties" in s and s["minProperties"] <= len(set(s.get("required") or [])):
@@ -400,8 +374,20 @@ class _Walker(Branches, Narrowing, Merging):
         fmt = s.get("format")
         if not isinstance(fmt, str) or fmt in FORMATS[self.backend]:
             return
-        if fmt not in ASSERTED_FORMATS:
+        if fmt in NUMBER_FORMATS:  # OpenAPI's: the range of the machine type, as bounds (they bind numbers only)
             s.pop("format")
+            low, high = NUMBER_FORMATS[fmt]
+            s["minimum"] = max(low, s.get("minimum", low)) if is_number(s.get("minimum", low)) else low
+            s["maximum"] = min(high, s.get("maximum", high)) if is_number(s.get("maximum", high)) else high
+            if self.backend in CLAMPED_BOUNDS and self.narrow:
+                self.clamp_bounds(s, ptr)
+            return
+        if fmt not in ASSERTED_FORMATS:
+            if self.assert_formats:  # the schema's vocabulary makes formats assertions: one unknown is refused
+                return
+            s.pop("format")  # an annotation: validators ignore a format they do not know
+            if fmt not in KNOWN_ANNOTATIONS:
+                self.narrowed.append(f"format {fmt!r} ignored (an annotation: no validator asserts it) at {ptr}")
             return
         if self.narrow and fmt in SUBFORMAT and self.enforceable(SUBFORMAT[fmt], s):
             self.note(ptr, f"format {fmt!r} as {SUBFORMAT[fmt]!r}")
@@ -462,12 +448,13 @@ class _Walker(Branches, Narrowing, Merging):
                 s.setdefault("properties", {})[key] = {} if extra is True else copy.deepcopy(extra)
 
     def clamp_bounds(self, s: dict, ptr: str) -> None:
-        """Numeric bounds at 64-bit's edge (Java's Long.MIN_VALUE) within +-2**62: llguidance cannot build
-        the range's regex beyond (measured: -2**63 fails, -2**62 compiles)."""
+        """Numeric bounds at 64-bit's edge (Java's Long.MIN_VALUE, OpenAPI's int64) within +-2**62: llguidance
+        cannot build the range's regex beyond (measured: -2**63 fails, -2**62 compiles), xgrammar refuses bounds past
+        int64 as a double (OpenAPI's float)."""
         for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
             value = s.get(key)
-            if is_number(value) and abs(value) > LLG_BOUND:
-                s[key] = LLG_BOUND if value > 0 else -LLG_BOUND
+            if is_number(value) and abs(value) > CLAMPED_BOUND:
+                s[key] = CLAMPED_BOUND if value > 0 else -CLAMPED_BOUND
                 if (value > 0) == (key in LOWER):  # a bound raised or lowered past it: nothing is left between
                     s[key] = value
                 else:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from plait.runtime.constrained.base import (MAX_WHITESPACE, GrammarBackend, GrammarError, JsonStyle, Matcher,
+from plait.runtime.constrained.base import (MAX_WHITESPACE, Built, GrammarBackend, GrammarError, JsonStyle, Matcher,
                                             complete_utf8_prefix)
-from plait.runtime.constrained.schema_policy import prepare_schema
+from plait.runtime.constrained.schema_policy import rewrite_schema
 
 if TYPE_CHECKING:  # annotations only: the compile worker runs without torch (compile_worker.py)
     import torch
@@ -56,8 +56,8 @@ class XGrammarMatcher(Matcher):
 class _Compiled:
     backend = "xgrammar"
 
-    def __init__(self, compiled):
-        self.compiled = compiled
+    def __init__(self, compiled, narrowed: tuple[str, ...] = ()):
+        self.compiled, self.narrowed = compiled, narrowed
 
     def matcher(self) -> XGrammarMatcher:
         return XGrammarMatcher(self.compiled)
@@ -75,18 +75,20 @@ class XGrammarBackend(GrammarBackend):
         # plait keeps its own LRU (GrammarCache), so xgrammar's cache would only double the memory
         self._compiler = GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
 
-    def build(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> tuple[str, bytes]:
-        return self.name, self.compile(kind, text, style).compiled.serialize_json().encode()
+    def build(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> Built:
+        compiled = self.compile(kind, text, style)
+        return Built(self.name, compiled.compiled.serialize_json().encode(), compiled.narrowed)
 
-    def load(self, backend: str, kind: str, text: str, style: JsonStyle, payload: bytes) -> _Compiled:
+    def load(self, built: Built, kind: str, text: str, style: JsonStyle) -> _Compiled:
         from xgrammar.compiler import CompiledGrammar
 
-        return _Compiled(CompiledGrammar.deserialize_json(payload.decode(), self._info))
+        return _Compiled(CompiledGrammar.deserialize_json(built.payload.decode(), self._info), built.narrowed)
 
     def compile(self, kind: str, text: str, style: JsonStyle = JsonStyle()) -> _Compiled:
+        narrowed = ()
         try:
             if kind == "json_schema":
-                schema = prepare_schema(text, self.name, style.narrow)
+                schema, narrowed = rewrite_schema(text, self.name, style.narrow)
                 flexible = style.whitespace == "flexible"
                 g = self._compiler.compile_json_schema(
                     json.dumps(schema), any_whitespace=flexible, max_whitespace_cnt=MAX_WHITESPACE if flexible else None,
@@ -99,7 +101,7 @@ class XGrammarBackend(GrammarBackend):
             raise
         except (RuntimeError, ValueError) as e:
             raise GrammarError(f"invalid {kind}: {_clean(e)}") from None
-        return _Compiled(g)
+        return _Compiled(g, narrowed)
 
 
 def _clean(e: Exception) -> str:

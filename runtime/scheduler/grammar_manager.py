@@ -29,7 +29,6 @@ from plait.runtime.constrained.closing import (CLOSE_WINDOW, CloseVocab, Closing
                                                 required_prefixes, still_holds)
 from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
 from plait.runtime.constrained.jump_forward import accepted_prefix, allowed_prefix, plan_draft
-from plait.runtime.constrained.schema_policy import rewrite_schema
 from plait.runtime.constrained.unique_keys import KeyVocab, UniqueKeys
 from plait.runtime.ipc.messages import GRAMMAR_CLOSED, GRAMMAR_CUT, FinishReason
 from plait.runtime.narrow_config import NarrowConfig
@@ -146,7 +145,7 @@ class GrammarManager:
                     compiled = fut.result()
                     req.grammar = self._matcher(req, compiled)
                     req.grammar_backend = compiled.backend
-                    req.grammar_narrowed = self._narrowings(req, compiled.backend)
+                    req.grammar_narrowed = list(compiled.narrowed)
                 else:
                     msg = str(err) if isinstance(err, GrammarError) else f"grammar compile failed: {err!r}"
                     req.finish = FinishReason("abort", message=msg, status=400)
@@ -167,17 +166,6 @@ class GrammarManager:
                 self.tokenizer, min(len(self.tokenizer), self.vocab_size))
             self._key_vocab = KeyVocab.from_texts(tuple(texts))
         return UniqueKeys(matcher, self._key_vocab)
-
-    def _narrowings(self, req: Req, backend: str) -> list[str]:
-        """How the request's JSON schema was narrowed for `backend` (the compile worker does not say; the
-        rewrite is quick and the same here)."""
-        kind, text = req.params.grammar
-        if kind != "json_schema" or self.args.disable_json_narrowing:
-            return []
-        try:
-            return rewrite_schema(text, backend)[1]
-        except GrammarError:
-            return []
 
     def wait(self, timeout: float = 0.005) -> None:
         wait_futures([r.grammar_compile.future for r in self.compiling], timeout=timeout, return_when="FIRST_COMPLETED")
