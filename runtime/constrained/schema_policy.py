@@ -59,8 +59,8 @@ from plait.runtime.constrained.schema_keywords import (ANNOTATIONS, ASSERTED_FOR
                                                        is_number, lookup, make_impossible, search, type_of)
 from plait.runtime.constrained.schema_merge import Merging
 from plait.runtime.constrained.schema_narrowing import Narrowing
-from plait.runtime.constrained.schema_refs import (LEGACY_DRAFT, anchors_as_pointers, plain_refs, recursive_refs,
-                                                   refs_alone)
+from plait.runtime.constrained.schema_refs import (LEGACY_DRAFT, anchors_as_pointers, drop_ids, plain_refs,
+                                                   recursive_refs, refs_alone)
 
 
 def prepare_schema(schema: Any, backend: str, narrow: bool = True) -> dict | bool:
@@ -78,7 +78,7 @@ def rewrite_schema(schema: Any, backend: str, narrow: bool = True) -> tuple[dict
             raise GrammarError(f"json_schema is not valid JSON: {e}") from None
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("json_schema must be a JSON object")
-    schema = copy.deepcopy(schema)
+    schema = json_copy(schema)
     if isinstance(schema, dict) and LEGACY_DRAFT.search(str(schema.get("$schema", ""))):
         refs_alone(schema)
     anchors_as_pointers(schema)
@@ -98,7 +98,13 @@ def rewrite_schema(schema: Any, backend: str, narrow: bool = True) -> tuple[dict
         # the rewrite speaks draft 2020-12 (tuple `items` became `prefixItems`): a backend told the sender's
         # older draft would read `prefixItems` as an unknown word and let any item through
         schema.pop("$schema", None)
+    drop_ids(schema)
     return schema, tuple(dict.fromkeys(walker.narrowed))
+
+
+def json_copy(data: Any) -> Any:
+    """A deep copy of JSON data, through its text: several times faster than copy.deepcopy on a big schema."""
+    return json.loads(json.dumps(data))
 
 
 def _anything(sub: Any) -> bool:
@@ -112,7 +118,7 @@ class _Walker(Branches, Narrowing, Merging):
 
     def __init__(self, root: Any, backend: str, narrow: bool = True):
         self.root = root
-        self.original = copy.deepcopy(root)  # the walk rewrites root in place
+        self.original = json_copy(root)  # the walk rewrites root in place
         self.narrowed: list[str] = []  # each narrowing, said where
         self.narrower = False  # some subschema admits less than it did (a narrowing, a pinned type)
         # id(schema) -> (the schema, where its oneOf came from: a merged allOf part)

@@ -74,6 +74,17 @@ def anchors_as_pointers(schema: Any) -> None:
             node["$ref"] = anchors.get(node["$ref"][1:], node["$ref"])
 
 
+def drop_ids(schema: Any) -> None:
+    """Every `$id` (draft 4's `id`) dropped from the rewritten schema: each reference in it is a pointer from the
+    document's root by now, and a base URI would make a backend resolve one elsewhere (llguidance refuses a root
+    `$id` with a fragment, as Lerna's schema has). A string is never a property's schema, so a property named
+    `$id` stays."""
+    for node, _ in nodes(schema):
+        for key in ("$id", "id"):
+            if isinstance(node.get(key), str):
+                del node[key]
+
+
 def recursive_refs(schema: Any) -> None:
     """`$recursiveRef` as validators read it: in draft 2019-09 a `$ref` where no `$recursiveAnchor` is set (left
     for the walk to refuse where one is); in any other draft not a keyword at all, so dropped (OpenAPI 3.1 specs
