@@ -113,7 +113,7 @@ def llama_server() -> str:
     if os.path.exists(binary):
         return binary
     src = os.path.join(PEERS, "llamacpp-src")
-    sh([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", LLAMACPP_PIN, "-d", src])
+    sh([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "llama-cpp-python", LLAMACPP_PIN, "-d", src])
     with tarfile.open(glob.glob(os.path.join(src, "llama_cpp_python-*.tar.gz"))[0]) as tar:
         tar.extractall(src, filter="data")
     vendored = glob.glob(os.path.join(src, "llama_cpp_python-*", "vendor", "llama.cpp"))[0]
