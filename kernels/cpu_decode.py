@@ -24,7 +24,7 @@ _I64, _F32 = ctypes.c_int64, ctypes.c_float
 
 
 class _Mat(ctypes.Structure):
-    _fields_ = [("w", PTR), ("bias", PTR), ("n", _I64), ("k", _I64), ("fmt", _I64)]
+    _fields_ = [("w", PTR), ("bias", PTR), ("n", _I64), ("k", _I64), ("fmt", _I64), ("exact", _I64)]
 
 
 class _Proj(ctypes.Structure):
@@ -90,7 +90,7 @@ class StepTables:
 
 
 def _mat(m: QuantMatmul) -> _Mat:
-    return _Mat(m._w, m._b, m.n, m.k, m.fmt.code)
+    return _Mat(m._w, m._b, m.n, m.k, m.fmt.code, int(m.exact))
 
 
 def _proj(p: Proj) -> _Proj:

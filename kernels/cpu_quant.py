@@ -400,12 +400,12 @@ def quant_linear_ref(x: torch.Tensor, tiled: torch.Tensor, fmt: BlockFormat, bia
     return y.float()
 
 
-def quant_linear(x: torch.Tensor, tiled: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-    """x @ dequantize(w).T (+ bias) for a 2-D float32 x with the activations quantized to int16 per block:
-    `quant_linear_ref`, by the C kernel where it applies (any row count; its per-row sums never depend
-    on the batch). `tiled` is `interleave(blocks)`."""
-    return QuantMatmul(tiled, fmt, bias)(x)
+def quant_linear(x: torch.Tensor, tiled: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None = None,
+                 exact: bool = True) -> torch.Tensor:
+    """x @ dequantize(w).T (+ bias) for a 2-D float32 x with the activations quantized per block, to int16 where
+    `exact` (`quant_linear_ref`) else to int8 (`quant_linear_q8_ref`), by the C kernel where it applies (any row
+    count; its per-row sums never depend on the batch). `tiled` is `interleave(blocks)`."""
+    return QuantMatmul(tiled, fmt, bias, exact)(x)
 
 
 class QuantMatmul:
@@ -415,8 +415,8 @@ class QuantMatmul:
     (one call instead of two; the same result as the two). Every call is `invariant` (a row's result the same in
     any batch) unless told otherwise: then K-format calls of many rows may take the faster bfloat16 path."""
 
-    def __init__(self, tiled: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None = None):
-        self.tiled, self.fmt, self.bias = tiled, fmt, bias
+    def __init__(self, tiled: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None = None, exact: bool = True):
+        self.tiled, self.fmt, self.bias, self.exact = tiled, fmt, bias, exact
         self.n, self.k = tiled.shape[0], tiled.shape[1] // fmt.block_bytes * fmt.block_size
         lib = _library()
         fits = tiled.is_contiguous() and (bias is None or (bias.dtype is torch.float32 and bias.is_contiguous()))
@@ -429,7 +429,11 @@ class QuantMatmul:
         if x.dim() != 2 or x.shape[1] != self.k:
             raise ValueError(f"x of shape {tuple(x.shape)}: the weight takes [rows, {self.k}] features")
         if self._fn is None or x.dtype is not torch.float32 or not x.is_cpu:
-            return quant_linear_ref(x, self.tiled, self.fmt, self.bias)
+            if self.exact:
+                return quant_linear_ref(x, self.tiled, self.fmt, self.bias)
+            from plait.kernels.q8_ref import quant_linear_q8_ref
+
+            return quant_linear_q8_ref(x, self.tiled, self.fmt, self.bias)
         return self._run(x.contiguous(), AS_IS, None, 0.0, None, invariant)
 
     def normed(self, x: torch.Tensor, w: torch.Tensor, eps: float, invariant: bool = True) -> torch.Tensor:
@@ -464,7 +468,7 @@ class QuantMatmul:
              invariant: bool) -> torch.Tensor:
         y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
         self._fn(x.data_ptr(), self._w, self._b, y.data_ptr(), x.shape[0], self.n, self.k, self.fmt.code, prologue,
-                 norm_w, eps, residual, torch.get_num_threads(), int(invariant))
+                 norm_w, eps, residual, torch.get_num_threads(), int(invariant), int(self.exact))
         return y
 
 
@@ -493,7 +497,8 @@ def bf16_panels() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    lib = load_library("quant_linear", quant_linear=(PTR, PTR, PTR, PTR, I64, I64, I64, INT, INT, PTR, F32, PTR, INT, INT),
+    lib = load_library("quant_linear", quant_linear=(PTR, PTR, PTR, PTR, I64, I64, I64, INT, INT, PTR, F32, PTR, INT, INT,
+                                                     INT),
                        quant_rows=(PTR, PTR, I64, I64, I64, INT, PTR), quant_bf16_panels=())
     if lib is not None:
         lib.quant_bf16_panels.restype = ctypes.c_int

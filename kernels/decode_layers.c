@@ -12,6 +12,7 @@ typedef struct {
   const float *bias;  // NULL: none
   int64_t n, k;
   int64_t fmt;  // Q8_0 .. Q6_K
+  int64_t exact;  // int16 activations (quant_linear's exact path), else int8
 } Mat;
 
 // a projection: one weight, or up to three side by side in formats of their own (a Q4_K_M file's Q4_K q and k
@@ -63,7 +64,8 @@ static void project(const Proj *p, float *x, int64_t m, int64_t k, int prologue,
                     const float *residual, float *y, float *normed, float *part, int threads, int invariant) {
   if (p->parts == 1) {
     const Mat *a = &p->part[0];
-    quant_linear(x, a->w, a->bias, y, m, a->n, k, (int)a->fmt, prologue, norm_w, eps, residual, threads, invariant);
+    quant_linear(x, a->w, a->bias, y, m, a->n, k, (int)a->fmt, prologue, norm_w, eps, residual, threads, invariant,
+                 (int)a->exact);
     return;
   }
   float *in = x;
@@ -78,7 +80,8 @@ static void project(const Proj *p, float *x, int64_t m, int64_t k, int prologue,
   int64_t off = 0;
   for (int64_t i = 0; i < p->parts; ++i) {
     const Mat *a = &p->part[i];
-    quant_linear(in, a->w, a->bias, part, m, a->n, k, (int)a->fmt, AS_IS, NULL, 0.f, NULL, threads, invariant);
+    quant_linear(in, a->w, a->bias, part, m, a->n, k, (int)a->fmt, AS_IS, NULL, 0.f, NULL, threads, invariant,
+                 (int)a->exact);
     for (int64_t r = 0; r < m; ++r) memcpy(y + r * n + off, part + r * a->n, sizeof(float) * (size_t)a->n);
     off += a->n;
   }
@@ -119,7 +122,8 @@ int decode_layers(const Layer *layers, int64_t count, const Step *s, float *x) {
     paged_attention(q, l->k_pool, l->v_pool, s->kv_slots[set], NULL, s->kv_lens, attn, lse, m, hkv, hq / hkv, d, d,
                     s->max_len, l->k_row, l->v_row, l->k_head, l->v_head, l->window, s->scale, l->softcap,
                     (int)s->kv_fmt, threads);
-    quant_linear(attn, l->o.w, l->o.bias, y, m, h, hq * d, (int)l->o.fmt, AS_IS, NULL, 0.f, NULL, threads, invariant);
+    quant_linear(attn, l->o.w, l->o.bias, y, m, h, hq * d, (int)l->o.fmt, AS_IS, NULL, 0.f, NULL, threads, invariant,
+                 (int)l->o.exact);
     const float *residual = y;
     if (l->attn_out_norm) {
       rms_norm(y, l->attn_out_norm, post, m, h, s->eps, threads);
@@ -129,7 +133,7 @@ int decode_layers(const Layer *layers, int64_t count, const Step *s, float *x) {
     project(&l->gate_up, x, m, h, ADD_RMS_NORM, l->post_norm, s->eps, residual, wide, normed, part, threads,
             invariant);
     quant_linear(wide, l->down.w, l->down.bias, y, m, h, l->down.k, (int)l->down.fmt, s->act ? GELU_MUL : SILU_MUL,
-                 NULL, 0.f, NULL, threads, invariant);
+                 NULL, 0.f, NULL, threads, invariant, (int)l->down.exact);
     const float *mlp = y;
     if (l->mlp_out_norm) {
       rms_norm(y, l->mlp_out_norm, post, m, h, s->eps, threads);

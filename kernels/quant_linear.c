@@ -711,6 +711,8 @@ static void kquant_linear(float *x, const void *w, const float *bias, float *y, 
   free(buf);
 }
 
+#include "q8_linear.h"
+
 // The OpenMP runtime is the one torch already loaded (same soname), so the kernel shares torch's
 // worker threads. k must be a multiple of 32 (256 for the K formats). The input rows are first transformed by
 // `prologue`, by the same row functions as kernels/fused_ops.c (so the result is the unfused one, bit for bit):
@@ -718,9 +720,15 @@ static void kquant_linear(float *x, const void *w, const float *bias, float *y, 
 // ADD_RMS_NORM x [m, k] += residual [m, k] in place (the residual stream), then as RMS_NORM. K-format calls of many rows
 // decode each weight tile once for all of them (kquant.h's kmany, the same sums as for a few rows); unless
 // `invariant`, a CPU with bfloat16 dot products takes kquant.h's bfloat16 path for them instead (faster, sums that
-// round differently).
+// round differently). Those are the `exact` path (int16 activations); otherwise the activations are int8
+// (q8_linear.h), batch-invariant always.
 void quant_linear(float *x, const void *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k, int fmt,
-                  int prologue, const float *norm_w, float eps, const float *residual, int threads, int invariant) {
+                  int prologue, const float *norm_w, float eps, const float *residual, int threads, int invariant,
+                  int exact) {
+  if (!exact) {
+    q8_linear(x, w, bias, y, m, n, k, fmt, prologue, norm_w, eps, residual, threads);
+    return;
+  }
   if (fmt >= Q4_K) {
     kquant_linear(x, w, bias, y, m, n, k, fmt, prologue, norm_w, eps, residual, threads, invariant);
     return;
