@@ -500,8 +500,8 @@ static void kmany_bf16_tail(const KJob *j, const uint16_t *xb, int64_t row, int6
 #define KMANY_BLOCK_BYTES (256 * 1024)
 
 // weight rows [begin, end) against input rows [m0, m1) (all rows when scratch is NULL)
-static void krun_rows(const KJob *j, int64_t begin, int64_t end, int64_t m0, int64_t m1, char *scratch,
-                      const int fmt) {
+static inline __attribute__((always_inline)) void krun_rows(const KJob *j, int64_t begin, int64_t end, int64_t m0,
+                                                           int64_t m1, char *scratch, const int fmt) {
   (void)scratch, (void)m0, (void)m1;  // the many-row path is built with AVX-512 only
   for (int64_t n = begin; n < end; n += TILE_N) {
     int64_t m = 0;

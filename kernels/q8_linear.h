@@ -2,23 +2,27 @@
 //
 // Each input row is quantized once per call to int8 in blocks, alone (so a row's result never depends on its batch):
 // blocks of 256 for the K formats (Q4_K, Q5_K, Q6_K: one scale per block, as llama.cpp's Q8_K), of 32 for Q8_0, Q4_1
-// and Q5_0 (one scale per block, as its Q8_0/Q8_1); scale absmax / 127, values rounded to nearest even; with each
-// block the exact integer sums of its values per 16 and per 32 (for the weights' minimums and offsets). A weight
-// block's dot product with an input block is then exact in int32: pairs of u8 x s8 products summed into int16 lanes
-// (`vpmaddubsw`: the weights' integers are the unsigned side, at most 63 x 127 x 2 < 2^15), then widened by the
-// sub-block scales into int32 lanes (`vpmaddwd`) and summed over the block. One conversion and one float multiply-add
-// by d_w d_x per block (per 32 weights for the 32-weight formats) follow. That is twice the products per instruction
-// of the exact path's int16 activations (`vpmaddwd` on 16-bit pairs), and half the input bytes to read.
+// and Q5_0 (one scale per block, as its Q8_0); scale absmax / 127, values rounded to nearest even; with each block
+// the exact integer sums of its values per 16 and per 32 (for the weights' minimums and offsets). A weight block's
+// dot product with an input block is then exact in int32: pairs of u8 x s8 products summed into int16 lanes
+// (`vpmaddubsw`: the weights' integers are the unsigned side, at most 63 x 127 x 2 < 2^15; Q8_0's signed weights go
+// in as |w| against x signed by w), then widened by the sub-block scales into int32 lanes (`vpmaddwd`). That is twice
+// the products per instruction of the exact path's int16 activations, and a quarter of their input bytes.
 //
-// The price is the activations' rounding: a relative error of about 1/254 per value (the exact path's is 1/65534),
-// averaged over a block's products. Its effect on the model's next-token distributions is measured against float32
-// by benchmarks/bench_models.py (mean KL divergence and top-1 agreement along real text).
+// The price is the activations' rounding (relative error ~1/254 per value, the exact path's ~1/65534); its effect on
+// the model's next-token distributions is measured against float32 by benchmarks/bench_models.py.
 //
-// Every output is summed in one fixed order whatever the batch (the per-block integer sums are exact; the float steps
-// and the final lane reduction are the same code for every row-tile size), and threads take whole 4-row weight tiles.
+// One arithmetic per output, whatever computes it: per block, two exact integer sums (A0 over the elements e with
+// e % 8 < 4, A1 over the others; Q6_K's offset of 32 and Q5_0's of 16 taken off A0), each converted and multiplied
+// into a float partial with d_w d_x (fmaf: f_i += A_i d_w d_x); the K formats' minimums as two more exact sums (sub-
+// blocks 0-3 and 4-7 of sum_s m_s sum(x_s)) taken off the partials with dmin_w d_x; Q4_1's minimum (a float) summed
+// in a third partial, min_w d_x sum(x); then y = (f0 + f1) + fmin + bias. The scalar code (rows past the last whole
+// tile, and builds without AVX2), the few-row AVX2 kernel (decode) and the many-row one (prefill, where the 4 weight
+// rows of a tile are read 8 bytes each into one vector and every input row's 8 bytes are broadcast against them) all
+// compute exactly that, so the result is the same bits on every path, every row count and every ISA level.
 #pragma once
 // (included by quant_linear.c after kquant.h: Block, block_in, KBlock, kblock_in, kscales64, half, load_u32, hsum,
-// prepare_row, chunk_of, TILE_N)
+// abs_max, prefetch_tile_block, block_bytes, head_bytes, prepare_row, chunk_of, TILE_N, PREFETCH_BYTES)
 
 // Input rows as int8 blocks: values, a scale per block (of 256 or 32), exact sums per 16 and per 32
 typedef struct {
@@ -27,8 +31,13 @@ typedef struct {
   const int16_t *s16, *s32;
 } X8;
 
-// rows per pass over a tile's weights: the weights a block decodes are used for this many input rows at once
-#define Q8_R 2
+typedef struct {
+  const float *bias;
+  X8 x;
+  const uint8_t *w;
+  float *y;
+  int64_t m, n, k;
+} Q8Job;
 
 // x [k] as int8 blocks of `blk` (32 or 256): q, d [k / blk], s16 [k / 16], s32 [k / 32]
 static void quantize_row_q8(const float *x, int64_t k, int64_t blk, int8_t *q, float *d, int16_t *s16,
@@ -45,32 +54,23 @@ static void quantize_row_q8(const float *x, int64_t k, int64_t blk, int8_t *q, f
       const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8), vid));
       const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 16), vid));
       const __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 24), vid));
-      const __m256i ab = _mm256_packs_epi32(a, b), ce = _mm256_packs_epi32(c, e);  // lanes interleaved by 128 bits
-      const __m256i v = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, ce), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256((__m256i *)(qb + i), v);
+      const __m256i v = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, e));  // per 128-bit lane
+      _mm256_storeu_si256((__m256i *)(qb + i), _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     }
 #else
     for (int64_t i = 0; i < blk; ++i) qb[i] = (int8_t)nearbyintf(xb[i] * id);
 #endif
   }
   for (int64_t j = 0; j < k / 16; ++j) {
-    int16_t sum = 0;
-    for (int i = 0; i < 16; ++i) sum = (int16_t)(sum + q[j * 16 + i]);
-    s16[j] = sum;
+    int sum = 0;
+    for (int i = 0; i < 16; ++i) sum += q[j * 16 + i];
+    s16[j] = (int16_t)sum;
   }
   for (int64_t j = 0; j < k / 32; ++j) s32[j] = (int16_t)(s16[2 * j] + s16[2 * j + 1]);
 }
 
-typedef struct {
-  const float *bias;
-  X8 x;
-  const uint8_t *w;
-  float *y;
-  int64_t m, n, k;
-} Q8Job;
-
-// ---- portable: any weight row against one input row (rows past the last whole tile; builds without AVX2) ------
-// weight element i of a K block as an integer (q, without its scale or offset)
+// ---- the canonical arithmetic, portable: one weight row against one input row --------------------------------
+// weight element i of a K block as its integer q (without its scale or offset)
 static inline int kq(const KBlock *b, int i, const int fmt) {
   const int s = i / 32, l = i % 32, byte = b->qs[(s / 2) * 32 + l];
   int q = s % 2 ? byte >> 4 : byte & 0xF;
@@ -83,49 +83,57 @@ static inline int kq(const KBlock *b, int i, const int fmt) {
   return q;
 }
 
-// y[m][n + c] for weight row n + c (whole: in a whole tile) against input row m
+// y[m][n + c] less the bias, for weight row n + c (whole: n starts a whole tile) against input row m
 static float q8_dot_row(const Q8Job *j, int64_t n, const int whole, int c, int64_t m, const int fmt) {
-  float acc = 0.f, mins = 0.f;
+  float f0 = 0.f, f1 = 0.f, fmin = 0.f;
   if (fmt >= Q4_K) {
     const int64_t G = j->k / QKK;
     for (int64_t g = 0; g < G; ++g) {
       const KBlock b = kblock_in(j->w, j->k, n, whole, c, g, fmt);
       const int8_t *xq = j->x.q + m * j->k + g * QKK;
-      int32_t dot = 0;
+      int32_t a[2] = {0, 0}, mn[2] = {0, 0};
       if (fmt == Q6_K) {
-        for (int i = 0; i < QKK; ++i) dot += (kq(&b, i, fmt) - 32) * (int8_t)b.sc[i / 16] * xq[i];
+        for (int i = 0; i < QKK; ++i) a[(i % 8) / 4] += kq(&b, i, fmt) * (int8_t)b.sc[i / 16] * xq[i];
+        for (int i = 0; i < 16; ++i) a[0] -= 32 * (int8_t)b.sc[i] * j->x.s16[m * (j->k / 16) + g * 16 + i];
       } else {
-        uint64_t sc, mn;
-        kscales64(b.sc, &sc, &mn);
-        int32_t msum = 0;
-        for (int i = 0; i < QKK; ++i) dot += kq(&b, i, fmt) * (int)((sc >> (8 * (i / 32))) & 0xFF) * xq[i];
-        for (int s = 0; s < 8; ++s) msum += (int)((mn >> (8 * s)) & 0xFF) * j->x.s32[m * (j->k / 32) + g * 8 + s];
-        mins = fmaf(half(b.dmin) * j->x.d[m * G + g], (float)msum, mins);
+        uint64_t sc, mv;
+        kscales64(b.sc, &sc, &mv);
+        for (int i = 0; i < QKK; ++i) a[(i % 8) / 4] += kq(&b, i, fmt) * (int)((sc >> (8 * (i / 32))) & 0xFF) * xq[i];
+        for (int s = 0; s < 8; ++s) mn[s / 4] += (int)((mv >> (8 * s)) & 0xFF) * j->x.s32[m * (j->k / 32) + g * 8 + s];
       }
-      acc = fmaf(half(b.d) * j->x.d[m * G + g], (float)dot, acc);
+      const float dx = j->x.d[m * G + g], dd = half(b.d) * dx;
+      f0 = fmaf((float)a[0], dd, f0), f1 = fmaf((float)a[1], dd, f1);
+      if (fmt != Q6_K) {
+        const float dm = half(b.dmin) * dx;
+        f0 = fmaf(-(float)mn[0], dm, f0), f1 = fmaf(-(float)mn[1], dm, f1);
+      }
     }
-    return acc - mins;
+    return (f0 + f1) + fmin;
   }
   const int64_t G = j->k / QK;
   for (int64_t g = 0; g < G; ++g) {
     const Block b = block_in(j->w, j->k, n, whole, c, g, fmt);
-    const int8_t *xq = j->x.q + m * j->k + g * QK;
-    int32_t dot = 0;
+    const int8_t *xq = j->x.q + (m * G + g) * QK;
+    const int32_t xs = j->x.s32[m * G + g];
+    int32_t a[2] = {fmt == Q5_0 ? -16 * xs : 0, 0};
     for (int i = 0; i < QK; ++i) {
       int w = fmt == Q8_0 ? (int8_t)b.q[i] : (i < 16 ? b.q[i] & 0xF : b.q[i - 16] >> 4);
-      if (fmt == Q5_0) w += (int)((load_u32(b.m) >> i) & 1) * 16 - 16;
-      dot += w * xq[i];
+      if (fmt == Q5_0) w += (int)((load_u32(b.m) >> i) & 1) * 16;
+      a[(i % 8) / 4] += w * xq[i];
     }
-    const float dx = j->x.d[m * G + g];
-    acc = fmaf(half(b.d) * dx, (float)dot, acc);
-    if (fmt == Q4_1) mins = fmaf(half(b.m) * dx, (float)j->x.s32[m * G + g], mins);
+    const float dx = j->x.d[m * G + g], dd = half(b.d) * dx;
+    f0 = fmaf((float)a[0], dd, f0), f1 = fmaf((float)a[1], dd, f1);
+    if (fmt == Q4_1) fmin = fmaf(half(b.m) * dx, (float)xs, fmin);
   }
-  return acc + mins;
+  return (f0 + f1) + fmin;
 }
 
 #if defined(__AVX2__)
-// ---- AVX2: a whole tile (4 weight rows) against R <= Q8_R input rows -------------------------------------------
-// 32 bytes of 0x10 (of `v`) where bit i of `bits` is set
+// ---- AVX2 ---------------------------------------------------------------------------------------------------
+// Both AVX2 kernels keep one 8-lane accumulator per input row for a whole tile: lane 2c holds weight row c's f0 (or
+// A0), lane 2c + 1 its f1 (A1).
+
+// 32 bytes: byte i of `v` where bit i of `bits` is set, else 0
 static inline __attribute__((always_inline)) __m256i bit_bytes(uint32_t bits, const __m256i v) {
   const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
                                              _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
@@ -134,49 +142,124 @@ static inline __attribute__((always_inline)) __m256i bit_bytes(uint32_t bits, co
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), v);
 }
 
-// the lane sums of y's accumulators: facc [R][4] of 8 floats, mins [R][4] of 4 (subtracted)
-static inline __attribute__((always_inline)) void q8_store(const Q8Job *j, int64_t n, int64_t m, const int R,
-                                                           float facc[][TILE_N][8], const __m128 mins[][TILE_N]) {
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < TILE_N; ++c) {
-      __m128 mq = mins[r][c];
-      mq = _mm_add_ps(mq, _mm_movehl_ps(mq, mq));
-      mq = _mm_add_ss(mq, _mm_shuffle_ps(mq, mq, 1));
-      j->y[(m + r) * j->n + n + c] = hsum(_mm256_load_ps(facc[r][c])) - _mm_cvtss_f32(mq) + (j->bias ? j->bias[n + c] : 0.f);
-    }
+// 8 int32 lanes (lane i: elements 4i..4i+3 of a weight row's block, as vpmaddwd leaves them) of the 4 rows as
+// [A0 A1] of each row (lane 2c: the even lanes' sum, 2c + 1: the odd lanes')
+static inline __attribute__((always_inline)) __m256i even_odd4(const __m256i *a) {
+  const __m256i y01 = _mm256_hadd_epi32(_mm256_shuffle_epi32(a[0], 0xD8), _mm256_shuffle_epi32(a[1], 0xD8));
+  const __m256i y23 = _mm256_hadd_epi32(_mm256_shuffle_epi32(a[2], 0xD8), _mm256_shuffle_epi32(a[3], 0xD8));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(y01, y23, 0x20), _mm256_permute2x128_si256(y01, y23, 0x31));
 }
 
-// K formats: per block, each weight row's sub-block pairs (64 weights: the low nibbles are sub-block 2p, the high ones
-// 2p + 1) against each input row's, summed in int32 over the block; then d_w d_x (and dmin_w d_x times the minimums
-// against the input's sums per 32; Q6_K: its offset of 32 against the sums per 16)
-static inline __attribute__((always_inline)) void q8k_tile(const Q8Job *j, int64_t n, int64_t m, const int R,
-                                                           const int fmt) {
+// the 4 rows' 16-bit values u64 (8 bytes each) as [row0 x 4 words, row1 x 4 | row2 x 4, row3 x 4] of byte `s` of each,
+// zero-extended
+static inline __attribute__((always_inline)) __m256i tile_words(__m256i bytes4, int s) {
+  const char z = (char)0x80;
+  return _mm256_shuffle_epi8(bytes4, _mm256_setr_epi8(s, z, s, z, s, z, s, z, 8 + s, z, 8 + s, z, 8 + s, z, 8 + s, z, s,
+                                                      z, s, z, s, z, s, z, 8 + s, z, 8 + s, z, 8 + s, z, 8 + s, z));
+}
+
+// one input row's block epilogue: f += A d_w d_x, less M dmin_w d_x (mins: NULL for none)
+static inline __attribute__((always_inline)) __m256 q8_fold(__m256 f, __m256i a, __m256 dd, const __m256i *mins,
+                                                            __m256 dm) {
+  f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), dd, f);
+  return mins ? _mm256_fnmadd_ps(_mm256_cvtepi32_ps(*mins), dm, f) : f;
+}
+
+// y of input row m from its accumulator (and Q4_1's minimum partials, lane 2c)
+static inline __attribute__((always_inline)) void q8_store(const Q8Job *j, int64_t n, int64_t m, __m256 f,
+                                                           const __m256 *fmin) {
+  float v[8] __attribute__((aligned(32))), mn[8] __attribute__((aligned(32)));
+  _mm256_store_ps(v, f);
+  if (fmin) _mm256_store_ps(mn, *fmin);
+  for (int c = 0; c < TILE_N; ++c)
+    j->y[m * j->n + n + c] = (v[2 * c] + v[2 * c + 1]) + (fmin ? mn[2 * c] : 0.f) + (j->bias ? j->bias[n + c] : 0.f);
+}
+
+// A K-format tile block's per-row scales and minimums, as the kernels use them
+typedef struct {
+  __m256i sc[16];  // per scale index: [row0's x 4 words, row1's x 4 | row2's x 4, row3's x 4] (Q4_K/Q5_K: 8 used)
+  __m256i w6[TILE_N];  // Q6_K: each row's 16 scales as words (for the offset)
+  __m256i mn01, mn23;  // Q4_K/Q5_K: rows 0 and 1's 8 minimums as words, rows 2 and 3's
+  __m256 d, dmin;      // [d of row c] in lanes 2c and 2c + 1
+  uint64_t s[TILE_N];  // Q4_K/Q5_K: each row's 8 scales, a byte each
+} KScales;
+
+// the tile block's d, dmin, scales and minimums; with `vectors`, its scales as sc[] (what the many-row kernel takes)
+static inline __attribute__((always_inline)) void kscales_tile(const KBlock *b, KScales *t, const int fmt,
+                                                               const int vectors) {
+  float d[TILE_N], dm[TILE_N];
+  for (int c = 0; c < TILE_N; ++c) d[c] = half(b[c].d), dm[c] = fmt == Q6_K ? 0.f : half(b[c].dmin);
+  t->d = _mm256_setr_ps(d[0], d[0], d[1], d[1], d[2], d[2], d[3], d[3]);
+  t->dmin = _mm256_setr_ps(dm[0], dm[0], dm[1], dm[1], dm[2], dm[2], dm[3], dm[3]);
+  if (fmt == Q6_K) {  // byte i of rows 0 and 2, then of rows 1 and 3, into the high byte of words: signed by a shift
+    const __m256i a = _mm256_setr_m128i(_mm_loadu_si128((const __m128i *)b[0].sc), _mm_loadu_si128((const __m128i *)b[2].sc));
+    const __m256i c = _mm256_setr_m128i(_mm_loadu_si128((const __m128i *)b[1].sc), _mm_loadu_si128((const __m128i *)b[3].sc));
+    const char z = (char)0x80;
+    for (int i = 0; i < 16 && vectors; ++i) {
+      const __m256i lo = _mm256_setr_epi8(z, i, z, i, z, i, z, i, z, z, z, z, z, z, z, z, z, i, z, i, z, i, z, i, z, z,
+                                          z, z, z, z, z, z);
+      const __m256i hi = _mm256_setr_epi8(z, z, z, z, z, z, z, z, z, i, z, i, z, i, z, i, z, z, z, z, z, z, z, z, z, i,
+                                          z, i, z, i, z, i);
+      t->sc[i] = _mm256_srai_epi16(_mm256_or_si256(_mm256_shuffle_epi8(a, lo), _mm256_shuffle_epi8(c, hi)), 8);
+    }
+    for (int c2 = 0; c2 < TILE_N; ++c2) t->w6[c2] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b[c2].sc));
+    return;
+  }
+  uint64_t *s = t->s, m[TILE_N];
+  for (int c = 0; c < TILE_N; ++c) kscales64(b[c].sc, s + c, m + c);
+  const __m256i sq = _mm256_setr_epi64x((long long)s[0], (long long)s[1], (long long)s[2], (long long)s[3]);
+  for (int i = 0; i < 8 && vectors; ++i) t->sc[i] = tile_words(sq, i);
+  t->mn01 = _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)m[1], (long long)m[0]));
+  t->mn23 = _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)m[3], (long long)m[2]));
+}
+
+// Q4_K/Q5_K: [M0 M1] of the 4 rows against one input row's sums per 32 (M0: sub-blocks 0-3, M1: 4-7)
+static inline __attribute__((always_inline)) __m256i kmins4(const KScales *t, const int16_t *s32) {
+  const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)s32));
+  const __m256i h = _mm256_hadd_epi32(_mm256_madd_epi16(t->mn01, x), _mm256_madd_epi16(t->mn23, x));
+  return _mm256_permute4x64_epi64(h, 0xD8);  // [r0 r2 | r1 r3] pairs -> rows in order
+}
+
+// Q6_K: [32 sum_j sc_j s16_j, 0] of the 4 rows against one input row's sums per 16 (taken off A0)
+static inline __attribute__((always_inline)) __m256i koffset4(const KScales *t, const int16_t *s16) {
+  const __m256i x = _mm256_loadu_si256((const __m256i *)s16);
+  __m256i p[TILE_N];
+  for (int c = 0; c < TILE_N; ++c) p[c] = _mm256_madd_epi16(t->w6[c], x);
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));  // [r0..r3 | r0..r3]
+  const __m256i tot = _mm256_add_epi32(h, _mm256_permute2x128_si256(h, h, 0x01));
+  const __m256i spread = _mm256_permutevar8x32_epi32(tot, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  return _mm256_slli_epi32(_mm256_blend_epi32(spread, _mm256_setzero_si256(), 0xAA), 5);
+}
+
+// the high bits (Q5_K: bit 4; Q6_K: bits 4 and 5) of 32 weights of sub-block s of row c, as 0x10 / 0x20 bytes
+static inline __attribute__((always_inline)) __m256i khigh(const KBlock *b, int s, const int fmt) {
+  if (fmt == Q6_K)
+    return _mm256_or_si256(bit_bytes(load_u32(b->hi + 8 * s), _mm256_set1_epi8(16)),
+                           bit_bytes(load_u32(b->hi + 8 * s + 4), _mm256_set1_epi8(32)));
+  return bit_bytes(load_u32(b->hi + 4 * s), _mm256_set1_epi8(16));
+}
+
+// K formats, few input rows (R <= 2: decode): each weight row's sub-block pair at a time (64 weights, its 32 bytes of
+// nibbles) against each input row's
+#define Q8_FEW 2
+static inline __attribute__((always_inline)) void q8k_few(const Q8Job *j, int64_t n, int64_t m, const int R,
+                                                          const int fmt) {
   const int64_t G = j->k / QKK, bb = kblock_bytes(fmt);
-  float facc[Q8_R][TILE_N][8] __attribute__((aligned(32)));
-  __m128 mins[Q8_R][TILE_N];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < TILE_N; ++c) _mm256_store_ps(facc[r][c], _mm256_setzero_ps()), mins[r][c] = _mm_setzero_ps();
+  __m256 f[Q8_FEW];
+  for (int r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0xF);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t *tb = j->w + (n * G + g * TILE_N) * bb;
     for (int64_t o = 0; o < TILE_N * bb; o += 64) __builtin_prefetch(tb + PREFETCH_BYTES + o);
     KBlock b[TILE_N];
-    int16_t sc[TILE_N][16] __attribute__((aligned(32)));  // Q4_K/Q5_K: 8 scales, then 8 minimums; Q6_K: 16 scales
-    for (int c = 0; c < TILE_N; ++c) {
-      b[c] = kblock_in(j->w, j->k, n, 1, c, g, fmt);
-      if (fmt == Q6_K) {
-        _mm256_store_si256((__m256i *)sc[c], _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b[c].sc)));
-      } else {
-        uint64_t s, mn;
-        kscales64(b[c].sc, &s, &mn);
-        _mm256_store_si256((__m256i *)sc[c], _mm256_cvtepu8_epi16(_mm_set_epi64x((long long)mn, (long long)s)));
-      }
-    }
-    __m256i acc[Q8_R][TILE_N];
+    for (int c = 0; c < TILE_N; ++c) b[c] = kblock_in(j->w, j->k, n, 1, c, g, fmt);
+    KScales t;
+    kscales_tile(b, &t, fmt, 0);
+    __m256i acc[Q8_FEW][TILE_N];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < TILE_N; ++c) acc[r][c] = _mm256_setzero_si256();
     for (int p = 0; p < 4; ++p) {
-      __m256i xl[Q8_R], xh[Q8_R];
+      __m256i xl[Q8_FEW], xh[Q8_FEW];
       for (int r = 0; r < R; ++r) {
         const int8_t *x = j->x.q + (m + r) * j->k + g * QKK + 64 * p;
         xl[r] = _mm256_loadu_si256((const __m256i *)x), xh[r] = _mm256_loadu_si256((const __m256i *)(x + 32));
@@ -184,20 +267,16 @@ static inline __attribute__((always_inline)) void q8k_tile(const Q8Job *j, int64
       for (int c = 0; c < TILE_N; ++c) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(b[c].qs + 32 * p));
         __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        __m256i sl, sh;
-        if (fmt == Q6_K) {  // bits 4 and 5 from the planes; the scales per 16: [2s] for lanes 0-7, [2s + 1] for 8-15
-          lo = _mm256_or_si256(lo, _mm256_or_si256(bit_bytes(load_u32(b[c].hi + 16 * p), _mm256_set1_epi8(16)),
-                                                   bit_bytes(load_u32(b[c].hi + 16 * p + 4), _mm256_set1_epi8(32))));
-          hi = _mm256_or_si256(hi, _mm256_or_si256(bit_bytes(load_u32(b[c].hi + 16 * p + 8), _mm256_set1_epi8(16)),
-                                                   bit_bytes(load_u32(b[c].hi + 16 * p + 12), _mm256_set1_epi8(32))));
-          sl = _mm256_set_m128i(_mm_set1_epi16(sc[c][4 * p + 1]), _mm_set1_epi16(sc[c][4 * p]));
-          sh = _mm256_set_m128i(_mm_set1_epi16(sc[c][4 * p + 3]), _mm_set1_epi16(sc[c][4 * p + 2]));
+        __m256i sl, sh;  // each 16-bit lane's scale (Q6_K: one per 16 weights, so the halves of a sub-block differ)
+        if (fmt == Q6_K) {
+          lo = _mm256_or_si256(lo, khigh(&b[c], 2 * p, fmt)), hi = _mm256_or_si256(hi, khigh(&b[c], 2 * p + 1, fmt));
+          const int8_t *sc = (const int8_t *)b[c].sc + 4 * p;
+          sl = _mm256_setr_m128i(_mm_set1_epi16(sc[0]), _mm_set1_epi16(sc[1]));
+          sh = _mm256_setr_m128i(_mm_set1_epi16(sc[2]), _mm_set1_epi16(sc[3]));
         } else {
-          if (fmt == Q5_K) {
-            lo = _mm256_or_si256(lo, bit_bytes(load_u32(b[c].hi + 8 * p), _mm256_set1_epi8(16)));
-            hi = _mm256_or_si256(hi, bit_bytes(load_u32(b[c].hi + 8 * p + 4), _mm256_set1_epi8(16)));
-          }
-          sl = _mm256_set1_epi16(sc[c][2 * p]), sh = _mm256_set1_epi16(sc[c][2 * p + 1]);
+          if (fmt == Q5_K) lo = _mm256_or_si256(lo, khigh(&b[c], 2 * p, fmt)), hi = _mm256_or_si256(hi, khigh(&b[c], 2 * p + 1, fmt));
+          sl = _mm256_set1_epi16((int16_t)((t.s[c] >> (16 * p)) & 0xFF));
+          sh = _mm256_set1_epi16((int16_t)((t.s[c] >> (16 * p + 8)) & 0xFF));
         }
         for (int r = 0; r < R; ++r)
           acc[r][c] = _mm256_add_epi32(acc[r][c], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl[r]), sl),
@@ -205,81 +284,206 @@ static inline __attribute__((always_inline)) void q8k_tile(const Q8Job *j, int64
       }
     }
     for (int r = 0; r < R; ++r) {
-      const float dx = j->x.d[(m + r) * G + g];
-      if (fmt == Q6_K) {  // q - 32: less 32 times each scale's group sum
-        const __m256i s16 = _mm256_loadu_si256((const __m256i *)(j->x.s16 + (m + r) * (j->k / 16) + g * 16));
-        for (int c = 0; c < TILE_N; ++c)
-          acc[r][c] = _mm256_sub_epi32(acc[r][c], _mm256_slli_epi32(_mm256_madd_epi16(_mm256_load_si256((const __m256i *)sc[c]), s16), 5));
+      const __m256 dx = _mm256_set1_ps(j->x.d[(m + r) * G + g]);
+      __m256i a = even_odd4(acc[r]);
+      if (fmt == Q6_K) {
+        a = _mm256_sub_epi32(a, koffset4(&t, j->x.s16 + (m + r) * (j->k / 16) + g * 16));
+        f[r] = q8_fold(f[r], a, _mm256_mul_ps(t.d, dx), NULL, dx);
       } else {
-        const __m128i s32 = _mm_loadu_si128((const __m128i *)(j->x.s32 + (m + r) * (j->k / 32) + g * 8));
-        for (int c = 0; c < TILE_N; ++c)
-          mins[r][c] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(_mm_load_si128((const __m128i *)(sc[c] + 8)), s32)),
-                                    _mm_set1_ps(half(b[c].dmin) * dx), mins[r][c]);
+        const __m256i mn = kmins4(&t, j->x.s32 + (m + r) * (j->k / 32) + g * 8);
+        f[r] = q8_fold(f[r], a, _mm256_mul_ps(t.d, dx), &mn, _mm256_mul_ps(t.dmin, dx));
       }
-      for (int c = 0; c < TILE_N; ++c)
-        _mm256_store_ps(facc[r][c], _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][c]), _mm256_set1_ps(half(b[c].d) * dx),
-                                                    _mm256_load_ps(facc[r][c])));
     }
   }
-  q8_store(j, n, m, R, facc, mins);
+  for (int r = 0; r < R; ++r) q8_store(j, n, m + r, f[r], NULL);
 }
 
-// Q8_0 / Q4_1 / Q5_0: per 32-weight block, each weight row's 32 integers against each input row's (Q8_0: |w| against x
-// signed by w, as vpmaddubsw takes one side unsigned; Q5_0: q + 16 in 0..31), converted per block and scaled by d_w d_x;
-// then Q4_1's minimum times d_x times the input block's sum added, Q5_0's 16 d_w d_x times that sum taken off
-static inline __attribute__((always_inline)) void q8_tile(const Q8Job *j, int64_t n, int64_t m, const int R,
+// 8 bytes at p in every quarter: an input row's 8 values against the 4 weight rows' 8 bytes (one broadcast load)
+static inline __attribute__((always_inline)) __m256i bcast8(const int8_t *p) {
+  return _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)p));
+}
+
+// 8 bytes of each of 4 rows, row c's in quarter c
+static inline __attribute__((always_inline)) __m256i gather8(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2,
+                                                             const uint8_t *p3) {
+  const __m128d a = _mm_loadh_pd(_mm_castsi128_pd(_mm_loadl_epi64((const __m128i *)p0)), (const double *)p1);
+  const __m128d b = _mm_loadh_pd(_mm_castsi128_pd(_mm_loadl_epi64((const __m128i *)p2)), (const double *)p3);
+  return _mm256_setr_m128i(_mm_castpd_si128(a), _mm_castpd_si128(b));
+}
+
+// the 4 rows' bit planes (u32 each, bit l: element l) in both halves, for planes_chunk
+static inline __attribute__((always_inline)) __m256i planes4(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2,
+                                                             const uint8_t *p3) {
+  return _mm256_broadcastsi128_si256(_mm_setr_epi32((int)load_u32(p0), (int)load_u32(p1), (int)load_u32(p2),
+                                                    (int)load_u32(p3)));
+}
+
+// bytes of `v` for elements [8q, 8q + 8) of each row whose bit is set in its plane (planes4)
+static inline __attribute__((always_inline)) __m256i planes_chunk(__m256i planes, int q, const __m256i v) {
+  const __m256i spread = _mm256_shuffle_epi8(planes, _mm256_setr_epi8(
+      q, q, q, q, q, q, q, q, 4 + q, 4 + q, 4 + q, 4 + q, 4 + q, 4 + q, 4 + q, 4 + q, 8 + q, 8 + q, 8 + q, 8 + q, 8 + q,
+      8 + q, 8 + q, 8 + q, 12 + q, 12 + q, 12 + q, 12 + q, 12 + q, 12 + q, 12 + q, 12 + q));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), v);
+}
+
+// K formats, many input rows (R <= Q8_MANY): per sub-block pair and 8-byte chunk, the 4 rows' 8 bytes of nibbles in one
+// vector (its low nibbles: elements [8q, 8q + 8) of sub-block 2p; high: of 2p + 1), each input row's 8 values of each
+// broadcast against them: every product lands in its output's canonical lane, and the decoding is shared by R rows
+#define Q8_MANY 8
+static inline __attribute__((always_inline)) void q8k_many(const Q8Job *j, int64_t n, int64_t m, const int R,
+                                                           const int fmt) {
+  const int64_t G = j->k / QKK, bb = kblock_bytes(fmt);
+  __m256 f[Q8_MANY];
+  for (int r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0xF);
+  const int pb = fmt == Q6_K ? 8 : 4;  // plane bytes per sub-block
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t *tb = j->w + (n * G + g * TILE_N) * bb;
+    for (int64_t o = 0; o < TILE_N * bb; o += 64) __builtin_prefetch(tb + PREFETCH_BYTES + o);
+    KBlock b[TILE_N];
+    for (int c = 0; c < TILE_N; ++c) b[c] = kblock_in(j->w, j->k, n, 1, c, g, fmt);
+    KScales t;
+    kscales_tile(b, &t, fmt, 1);
+    __m256i acc[Q8_MANY];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      __m256i p4l = _mm256_setzero_si256(), p4h = p4l, p5l = p4l, p5h = p4l;  // the high bits' planes
+      if (fmt != Q4_K) {
+        const int sl = 2 * p * pb, sh = (2 * p + 1) * pb;
+        p4l = planes4(b[0].hi + sl, b[1].hi + sl, b[2].hi + sl, b[3].hi + sl);
+        p4h = planes4(b[0].hi + sh, b[1].hi + sh, b[2].hi + sh, b[3].hi + sh);
+        if (fmt == Q6_K) {
+          p5l = planes4(b[0].hi + sl + 4, b[1].hi + sl + 4, b[2].hi + sl + 4, b[3].hi + sl + 4);
+          p5h = planes4(b[0].hi + sh + 4, b[1].hi + sh + 4, b[2].hi + sh + 4, b[3].hi + sh + 4);
+        }
+      }
+      for (int q = 0; q < 4; ++q) {
+        const int o = 32 * p + 8 * q;
+        const __m256i v = gather8(b[0].qs + o, b[1].qs + o, b[2].qs + o, b[3].qs + o);
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (fmt != Q4_K) {
+          lo = _mm256_or_si256(lo, planes_chunk(p4l, q, _mm256_set1_epi8(16)));
+          hi = _mm256_or_si256(hi, planes_chunk(p4h, q, _mm256_set1_epi8(16)));
+        }
+        if (fmt == Q6_K) {
+          lo = _mm256_or_si256(lo, planes_chunk(p5l, q, _mm256_set1_epi8(32)));
+          hi = _mm256_or_si256(hi, planes_chunk(p5h, q, _mm256_set1_epi8(32)));
+        }
+        const __m256i sl = fmt == Q6_K ? t.sc[4 * p + q / 2] : t.sc[2 * p];
+        const __m256i sh = fmt == Q6_K ? t.sc[4 * p + 2 + q / 2] : t.sc[2 * p + 1];
+        for (int r = 0; r < R; ++r) {
+          const int8_t *x = j->x.q + (m + r) * j->k + g * QKK + 64 * p + 8 * q;
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast8(x)), sl),
+                                                             _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast8(x + 32)), sh)));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(j->x.d[(m + r) * G + g]);
+      if (fmt == Q6_K) {
+        const __m256i a = _mm256_sub_epi32(acc[r], koffset4(&t, j->x.s16 + (m + r) * (j->k / 16) + g * 16));
+        f[r] = q8_fold(f[r], a, _mm256_mul_ps(t.d, dx), NULL, dx);
+      } else {
+        const __m256i mn = kmins4(&t, j->x.s32 + (m + r) * (j->k / 32) + g * 8);
+        f[r] = q8_fold(f[r], acc[r], _mm256_mul_ps(t.d, dx), &mn, _mm256_mul_ps(t.dmin, dx));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) q8_store(j, n, m + r, f[r], NULL);
+}
+
+// Q8_0 / Q4_1 / Q5_0, a whole tile against R <= Q8_MANY input rows: per block and 8-byte chunk q, the 4 rows' bytes in
+// one vector (Q8_0: elements [8q, 8q + 8); Q4_1/Q5_0: their low nibbles elements [8q, 8q + 8), high ones [16 + 8q,
+// 24 + 8q)), each input row's matching values broadcast against them; per block the sums fold into the partials
+static inline __attribute__((always_inline)) void q8_many(const Q8Job *j, int64_t n, int64_t m, const int R,
                                                           const int fmt) {
   const int64_t G = j->k / QK, qbytes = block_bytes(fmt) - head_bytes(fmt);
-  __m256 facc[Q8_R][TILE_N];
-  __m128 mins[Q8_R];  // the 4 rows' min_w d_x sum(x_q) (Q4_1), -16 d_w d_x sum(x_q) (Q5_0)
-  for (int r = 0; r < R; ++r) {
-    mins[r] = _mm_setzero_ps();
-    for (int c = 0; c < TILE_N; ++c) facc[r][c] = _mm256_setzero_ps();
-  }
+  __m256 f[Q8_MANY], fmin[Q8_MANY];
+  for (int r = 0; r < R; ++r) f[r] = fmin[r] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0xF), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < G; ++g) {
     const Block b = block_in(j->w, j->k, n, 1, 0, g, fmt);
     prefetch_tile_block(b, fmt);
-    const __m128 dw = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)b.d));  // the 4 rows' scales
-    __m256i w[TILE_N];
-    for (int c = 0; c < TILE_N; ++c) {
-      const uint8_t *q = b.q + c * qbytes;
-      if (fmt == Q8_0) {
-        w[c] = _mm256_loadu_si256((const __m256i *)q);
-      } else {
-        const __m128i v = _mm_loadu_si128((const __m128i *)q);  // element e: low nibble of byte e, e + 16: high
-        w[c] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), m4);
-        if (fmt == Q5_0) w[c] = _mm256_or_si256(w[c], bit_bytes(load_u32(b.m + 4 * c), _mm256_set1_epi8(16)));
+    const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)b.d));  // the 4 rows' scales
+    const __m256 d = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    __m256 mw = _mm256_setzero_ps();  // Q4_1: [min of row c, 0]
+    if (fmt == Q4_1)
+      mw = _mm256_blend_ps(_mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)b.m))),
+                                                    _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)),
+                           _mm256_setzero_ps(), 0xAA);
+    const uint8_t *q0 = b.q, *q1 = b.q + qbytes, *q2 = b.q + 2 * qbytes, *q3 = b.q + 3 * qbytes;
+    __m256i acc[Q8_MANY];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+    if (fmt == Q8_0) {
+      for (int q = 0; q < 4; ++q) {
+        const __m256i v = gather8(q0 + 8 * q, q1 + 8 * q, q2 + 8 * q, q3 + 8 * q), av = _mm256_abs_epi8(v);
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = bcast8(j->x.q + ((m + r) * G + g) * QK + 8 * q);
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(x, v)), ones));
+        }
+      }
+    } else {
+      const __m256i planes = fmt == Q5_0 ? planes4(b.m, b.m + 4, b.m + 8, b.m + 12) : _mm256_setzero_si256();
+      for (int q = 0; q < 2; ++q) {
+        const __m256i v = gather8(q0 + 8 * q, q1 + 8 * q, q2 + 8 * q, q3 + 8 * q);
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (fmt == Q5_0) {
+          lo = _mm256_or_si256(lo, planes_chunk(planes, q, _mm256_set1_epi8(16)));
+          hi = _mm256_or_si256(hi, planes_chunk(planes, 2 + q, _mm256_set1_epi8(16)));
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t *x = j->x.q + ((m + r) * G + g) * QK + 8 * q;
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast8(x)),
+                                                                               _mm256_maddubs_epi16(hi, bcast8(x + 16))),
+                                                             ones));
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
       const int64_t xb = (m + r) * G + g;
-      const __m256i x = _mm256_loadu_si256((const __m256i *)(j->x.q + xb * QK));
-      float s[TILE_N] __attribute__((aligned(16)));
-      _mm_store_ps(s, _mm_mul_ps(dw, _mm_set1_ps(j->x.d[xb])));
-      for (int c = 0; c < TILE_N; ++c) {
-        const __m256i p = fmt == Q8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(w[c]), _mm256_sign_epi8(x, w[c]))
-                                      : _mm256_maddubs_epi16(w[c], x);
-        facc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_broadcast_ss(s + c), facc[r][c]);
-      }
-      if (fmt == Q4_1)  // + min_w d_x sum(x_q)
-        mins[r] = _mm_fmadd_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)b.m)),
-                               _mm_set1_ps(j->x.d[xb] * (float)j->x.s32[xb]), mins[r]);
-      else if (fmt == Q5_0)  // - 16 d_w d_x sum(x_q)
-        mins[r] = _mm_fmadd_ps(dw, _mm_set1_ps(j->x.d[xb] * (float)(-16 * j->x.s32[xb])), mins[r]);
+      const __m256 dx = _mm256_set1_ps(j->x.d[xb]);
+      __m256i a = acc[r];
+      if (fmt == Q5_0)  // q - 16: less 16 times the input block's sum, from A0
+        a = _mm256_sub_epi32(a, _mm256_blend_epi32(_mm256_set1_epi32(16 * j->x.s32[xb]), _mm256_setzero_si256(), 0xAA));
+      f[r] = q8_fold(f[r], a, _mm256_mul_ps(d, dx), NULL, dx);
+      if (fmt == Q4_1) fmin[r] = _mm256_fmadd_ps(_mm256_mul_ps(mw, dx), _mm256_set1_ps((float)j->x.s32[xb]), fmin[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float mn[TILE_N];
-    _mm_storeu_ps(mn, mins[r]);
-    for (int c = 0; c < TILE_N; ++c)
-      j->y[(m + r) * j->n + n + c] = hsum(facc[r][c]) + mn[c] + (j->bias ? j->bias[n + c] : 0.f);
-  }
+  for (int r = 0; r < R; ++r) q8_store(j, n, m + r, f[r], fmt == Q4_1 ? &fmin[r] : NULL);
 }
 #endif
 
+#if defined(__AVX2__)
+// a whole tile against input rows [m0, m1): groups of Q8_MANY, then the rest in one pass (K formats: two rows or one
+// by the few-row kernel); each row count a constant in its call, so the accumulators stay in registers
+#define Q8_GROUPS(MANY, FEW)                                  \
+  int64_t m = m0;                                             \
+  for (; m + Q8_MANY <= m1; m += Q8_MANY) MANY(j, n, m, Q8_MANY, fmt); \
+  switch (m1 - m) {                                           \
+    case 7: MANY(j, n, m, 7, fmt); break;                     \
+    case 6: MANY(j, n, m, 6, fmt); break;                     \
+    case 5: MANY(j, n, m, 5, fmt); break;                     \
+    case 4: MANY(j, n, m, 4, fmt); break;                     \
+    case 3: MANY(j, n, m, 3, fmt); break;                     \
+    case 2: FEW(j, n, m, 2, fmt); break;                      \
+    case 1: FEW(j, n, m, 1, fmt); break;                      \
+    default: break;                                           \
+  }
+static inline __attribute__((always_inline)) void q8k_rows(const Q8Job *j, int64_t n, int64_t m0, int64_t m1,
+                                                           const int fmt) {
+  Q8_GROUPS(q8k_many, q8k_few)
+}
+static inline __attribute__((always_inline)) void q8_rows(const Q8Job *j, int64_t n, int64_t m0, int64_t m1,
+                                                          const int fmt) {
+  Q8_GROUPS(q8_many, q8_many)
+}
+#undef Q8_GROUPS
+#endif
+
 // weight rows [begin, end) against input rows [m0, m1)
-static void q8_run_rows(const Q8Job *j, int64_t begin, int64_t end, int64_t m0, int64_t m1, const int fmt) {
+static inline __attribute__((always_inline)) void q8_run_rows(const Q8Job *j, int64_t begin, int64_t end, int64_t m0,
+                                                              int64_t m1, const int fmt) {
   for (int64_t n = begin; n < end; n += TILE_N) {
     if (n + TILE_N > end) {  // rows past the last whole tile: plain blocks, one dot at a time
       for (int64_t m = m0; m < m1; ++m)
@@ -288,14 +492,10 @@ static void q8_run_rows(const Q8Job *j, int64_t begin, int64_t end, int64_t m0, 
       continue;
     }
 #if defined(__AVX2__)
-    int64_t m = m0;  // the row count a constant in each call, so the accumulators stay in registers
-    if (fmt >= Q4_K) {
-      for (; m + Q8_R <= m1; m += Q8_R) q8k_tile(j, n, m, Q8_R, fmt);
-      if (m < m1) q8k_tile(j, n, m, 1, fmt);
-    } else {
-      for (; m + Q8_R <= m1; m += Q8_R) q8_tile(j, n, m, Q8_R, fmt);
-      if (m < m1) q8_tile(j, n, m, 1, fmt);
-    }
+    if (fmt >= Q4_K)
+      q8k_rows(j, n, m0, m1, fmt);
+    else
+      q8_rows(j, n, m0, m1, fmt);
 #else
     for (int64_t m = m0; m < m1; ++m)
       for (int c = 0; c < TILE_N; ++c)
@@ -319,9 +519,9 @@ static void q8_linear(float *x, const void *w, const float *bias, float *y, int6
   int16_t *s16 = (int16_t *)(d + m * (k / blk)), *s32 = s16 + m * (k / 16);
   const Q8Job j = {bias, {q, d, s16, s32}, (const uint8_t *)w, y, m, n, k};
   const int64_t chunk = chunk_of(tiles, &threads);
-  int64_t block = Q8_BLOCK_BYTES / k;
-  block = block < Q8_R ? Q8_R : block;
-#pragma omp parallel num_threads(m >= Q8_PARALLEL_ROWS || threads == 1 ? threads : 1)
+  int64_t block = Q8_BLOCK_BYTES / k / Q8_MANY * Q8_MANY;
+  block = block < Q8_MANY ? Q8_MANY : block;
+#pragma omp parallel num_threads(m >= Q8_PARALLEL_ROWS ? threads : 1)
   {
     float *row = (float *)malloc((size_t)(k * (int64_t)sizeof(float)));  // one transformed input row
 #pragma omp for schedule(static)

@@ -345,7 +345,7 @@ static inline __attribute__((always_inline)) void tile512(const Job *j, int64_t 
 
 #include "kquant.h"
 
-static void run_rows(const Job *j, int64_t begin, int64_t end, const int fmt) {
+static inline __attribute__((always_inline)) void run_rows(const Job *j, int64_t begin, int64_t end, const int fmt) {
   for (int64_t n = begin; n < end; n += TILE_N) {
     int64_t m = 0;
     if (n + TILE_N <= end) {  // constant tile sizes keep the accumulators in registers
