@@ -35,6 +35,11 @@ class ServerArgs:
         "auto", "weight-only block quantization (README: Quantization): int8 (Q8_0 blocks), int4 (Q4_1 blocks; "
         "embedding and LM head Q8_0), none (every weight in --dtype); auto: a GGUF file's own Q8_0/Q4_0/Q4_1 "
         "blocks as stored, unless --dtype is given or the C kernels cannot run", ["none", "auto", "int8", "int4"])
+    quantized_matmul: str = _arg(
+        "auto", "how block-quantized weights multiply: int8 (each input row quantized per block to int8, integer dot "
+        "products: llama.cpp's arithmetic, twice the products per instruction) or exact (int16 activations: within "
+        "~1e-5 of the float product); auto: chosen per CPU level by measured speed and quality (docs/models.md)",
+        ["auto", "int8", "exact"])
     kv_cache_dtype: str = _arg("auto", "KV cache dtype; auto: the weight dtype",
                                ["auto", "float32", "bfloat16", "float16"])
     enable_deterministic_inference: bool = _arg(
@@ -285,6 +290,7 @@ class ServerArgs:
         quantization = self.quantization
         if quantization == "auto" and (self.dtype != "auto" or not _c_kernels()):
             quantization = "none"
+        quantized_matmul = _best_quantized_matmul() if self.quantized_matmul == "auto" else self.quantized_matmul
         # a grammar compiles against the tokenizer's vocabulary: without one, auto means none (a constrained
         # request is then refused with a 400), an explicit backend stays an error at start-up
         grammar_backend = self.grammar_backend
@@ -308,7 +314,8 @@ class ServerArgs:
         return dataclasses.replace(
             self, model_path=_model_file(self.model_path), device=device, dtype=dtype,
             tp_size=tp_size, num_threads=num_threads,
-            kv_cache_dtype=kv_cache_dtype, quantization=quantization, grammar_backend=grammar_backend,
+            kv_cache_dtype=kv_cache_dtype, quantization=quantization, quantized_matmul=quantized_matmul,
+            grammar_backend=grammar_backend,
             api_key=self._resolved_api_key(), api_key_file=None, speculative_draft_model_path=draft,
             speculative_num_steps=self.speculative_num_steps or self.speculative_num_draft_tokens - 1,
         )
@@ -430,6 +437,15 @@ def _best_cpu_dtype() -> str:
     from plait.kernels import cpu_build
 
     return "bfloat16" if cpu_build.c_kernels_possible() else "float32"
+
+
+def _best_quantized_matmul() -> str:
+    """int8 activations where they were measured faster than the exact path at a quality within the bound of
+    docs/models.md (AVX2: 2-4x the exact path's matmul speed); the exact path on the AVX-512 levels, whose int16
+    kernels (VNNI, bfloat16 panels, AMX) the int8 kernels have not been measured against."""
+    from plait.kernels import cpu_isa
+
+    return "exact" if cpu_isa.selected().startswith(("avx512", "amx")) else "int8"
 
 
 def default_draft_path() -> str:

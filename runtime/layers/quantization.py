@@ -80,8 +80,8 @@ class BlockQuantizedMethod(LinearMethod):
     """The weight as blocks of `fmt` in the kernel's layout (with a oneDNN float32 copy for many rows on a CPU without
     bfloat16 dot products)."""
 
-    def __init__(self, fmt: BlockFormat, packed: bool = True):
-        self.fmt, self.packed = fmt, packed
+    def __init__(self, fmt: BlockFormat, packed: bool = True, exact: bool = True):
+        self.fmt, self.packed, self.exact = fmt, packed, exact
         self.name = fmt.name
 
     def create_weights(self, layer: Linear) -> None:
@@ -101,7 +101,7 @@ class BlockQuantizedMethod(LinearMethod):
 
     def finish_loading(self, layer: Linear) -> None:
         interleave_(layer.qweight.data, self.fmt)
-        layer.qmatmul = QuantMatmul(layer.qweight.data, self.fmt, layer.bias)
+        layer.qmatmul = QuantMatmul(layer.qweight.data, self.fmt, layer.bias, self.exact)
         # a float32 copy for oneDNN only where the kernel's many-row path is not as fast (no bfloat16 dot products)
         if self.packed and not self.fmt.super_block and not bf16_panels():
             layer.onednn = onednn_copy(dequantize(deinterleave(layer.qweight.data, self.fmt), self.fmt), torch.float32)
@@ -150,6 +150,7 @@ class QuantConfig:
     dtype: torch.dtype
     packed: bool = True
     file_formats: dict[str, BlockFormat | None] = field(default_factory=dict)
+    exact: bool = True  # int16 activations in the block kernel (else int8: --quantized-matmul)
 
     def __post_init__(self) -> None:
         if self.mode not in QUANTIZATIONS:
@@ -165,7 +166,8 @@ class QuantConfig:
         return MixedMethod([methods[fmt] for fmt in formats])
 
     def _method(self, fmt: BlockFormat | None) -> LinearMethod:
-        return UnquantizedMethod(self.dtype, self.packed) if fmt is None else BlockQuantizedMethod(fmt, self.packed)
+        return UnquantizedMethod(self.dtype, self.packed) if fmt is None else BlockQuantizedMethod(fmt, self.packed,
+                                                                                                   self.exact)
 
     def _format(self, tensor_name: str, embedding: bool) -> BlockFormat | None:
         if self.mode == "none":

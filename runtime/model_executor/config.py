@@ -14,6 +14,7 @@ class RunnerConfig(NarrowConfig):
     skip_tokenizer_init: bool
     dtype: str
     quantization: str
+    quantized_matmul: str
     disable_packed_weights: bool
     disable_native_decode: bool
     enable_deterministic_inference: bool

@@ -26,6 +26,7 @@ class DraftConfig(NarrowConfig):
     # how a draft model or a head's vocabulary layers load: as the target's do
     model_path: str | None
     quantization: str
+    quantized_matmul: str
     disable_packed_weights: bool
     disable_native_decode: bool
     page_size: int

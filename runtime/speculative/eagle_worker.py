@@ -44,7 +44,8 @@ def create(args, runner) -> "EagleDrafter":
     if runner.group.distributed:  # the head runs on rank 0 alone: it reads a whole copy of the vocabulary layers
         from plait.runtime.model_loader import load_vocab_layers
 
-        vocab = load_vocab_layers(args.model_path, runner.dtype, args.quantization, not args.disable_packed_weights)
+        vocab = load_vocab_layers(args.model_path, runner.dtype, args.quantization, not args.disable_packed_weights,
+                                  args.quantized_matmul == "exact")
     head = load_eagle_head(args.speculative_draft_model_path, runner.config, vocab)
     if head.cfg.kind != args.speculative_algorithm:
         raise ValueError(f"speculative_algorithm {args.speculative_algorithm} but the draft model at "
