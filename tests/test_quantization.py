@@ -118,9 +118,10 @@ def test_many_rows_off_the_invariant_path_stay_close(fmt, rows, k):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_many_row_layers_keep_one_copy_of_the_weight(fmt):
-    """A block layer's calls of many rows (not batch-invariant) run the kernel over its blocks on a CPU with
-    AVX512-BF16 (no float copy is made), and oneDNN over a float32 copy of a Q8_0 / Q4_1 / Q5_0 weight elsewhere:
-    the float product to ~1e-2 either way; invariant calls keep the exact kernel."""
+    """A block layer's calls of many rows (not batch-invariant) on the exact path run the kernel over its blocks on a
+    CPU with AVX512-BF16 (no float copy is made), and oneDNN over a float32 copy of a Q8_0 / Q4_1 / Q5_0 weight
+    elsewhere: the float product to ~1e-2 either way; invariant calls keep the exact kernel. With int8 activations no
+    copy is made anywhere."""
     from plait.kernels.cpu_quant import BlockTensor, bf16_panels
     from plait.kernels.cpu_linear import MAX_ROWS
     from plait.runtime.layers.linear import Linear
@@ -145,6 +146,13 @@ def test_many_row_layers_keep_one_copy_of_the_weight(fmt):
     assert ((fast - exact).norm() / exact.norm()).item() < 1e-2
     invariant = layer(x, batch_invariant=True)
     assert torch.equal(invariant, quant_linear(x, layer.qweight.data, fmt, layer.bias))
+    # int8 activations take every row count over the blocks themselves: no copy of the weight at all
+    int8 = Linear(k, {"": rows}, True, BlockQuantizedMethod(fmt, exact=False))
+    int8.weight_loader(BlockTensor(blocks, fmt, (rows, k)))
+    int8.bias_loader(layer.bias.clone())
+    int8.finish_loading()
+    assert int8.onednn is None
+    assert ((int8(x) - exact).norm() / exact.norm()).item() < 2e-2
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)

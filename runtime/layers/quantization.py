@@ -10,14 +10,15 @@
 
 Blocks are llama.cpp's layouts (kernels/cpu_quant.py), so GGUF blocks load straight into the
 kernel's layout; float tensors are quantized when they load; blocks of another format are
-dequantized and requantized. A few-row matmul quantizes its input rows to int16 per block and takes
-exact integer dot products with each block (kernels/quant_linear.c). From 8 rows, on a CPU with AVX512-BF16 and
-where batch invariance is not asked for, the kernel decodes the weight to bfloat16 16 rows at a time for all the
-input rows (kernels/bf16_panel.h): as fast as oneDNN's bfloat16 GEMM over a float copy, so a model holds its weights
-once, at its file's size. On other CPUs a many-row matmul (prefill, batches of more than MAX_ROWS rows) over
-Q8_0/Q4_1/Q5_0 blocks goes to oneDNN with a float32 copy dequantized once at load, unless
---disable-packed-weights; the K formats (Q4_K, Q5_K, Q6_K) stay with the kernel, which decodes each weight tile
-once for all the rows.
+dequantized and requantized. The kernel quantizes each input row per block, to int8 (--quantized-matmul int8, the
+default on AVX2: kernels/q8_linear.h, integer dot products at twice the exact path's rate, every row count, every
+format, no copy of the weight) or to int16 (exact, the default on the AVX-512 levels: kernels/quant_linear.c). On the
+exact path, from 8 rows, on a CPU with AVX512-BF16 and where batch invariance is not asked for, the kernel decodes the
+weight to bfloat16 16 rows at a time for all the input rows (kernels/bf16_panel.h): as fast as oneDNN's bfloat16 GEMM
+over a float copy, so a model holds its weights once, at its file's size. On other CPUs the exact path's many-row
+matmuls (prefill, batches of more than MAX_ROWS rows) over Q8_0/Q4_1/Q5_0 blocks go to oneDNN with a float32 copy
+dequantized once at load, unless --disable-packed-weights; the K formats (Q4_K, Q5_K, Q6_K) stay with the kernel,
+which decodes each weight tile once for all the rows.
 """
 
 from __future__ import annotations
@@ -102,8 +103,9 @@ class BlockQuantizedMethod(LinearMethod):
     def finish_loading(self, layer: Linear) -> None:
         interleave_(layer.qweight.data, self.fmt)
         layer.qmatmul = QuantMatmul(layer.qweight.data, self.fmt, layer.bias, self.exact)
-        # a float32 copy for oneDNN only where the kernel's many-row path is not as fast (no bfloat16 dot products)
-        if self.packed and not self.fmt.super_block and not bf16_panels():
+        # a float32 copy for oneDNN only where the kernel's many-row path is not as fast: the exact path (int16
+        # activations) without bfloat16 dot products; int8 activations multiply many rows faster than that copy
+        if self.packed and self.exact and not self.fmt.super_block and not bf16_panels():
             layer.onednn = onednn_copy(dequantize(deinterleave(layer.qweight.data, self.fmt), self.fmt), torch.float32)
 
     def apply(self, layer: Linear, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
