@@ -29,8 +29,9 @@ class ServerArgs:
     )
     tokenizer_path: str | None = _arg(None, "tokenizer folder; default: from the model")
     skip_tokenizer_init: bool = _arg(False, "load no tokenizer (requests must give input_ids)")
-    dtype: str = _arg("auto", "weight dtype (activations and arithmetic stay float32 on CPU); auto: measured "
-                      "fastest for this CPU (README: dtype)", ["auto", "float32", "bfloat16", "float16"])
+    dtype: str = _arg("auto", "weight dtype (activations and arithmetic stay float32 on CPU); auto: bfloat16 where "
+                      "the CPU multiplies it natively (AVX512-BF16, AMX), else float32 (docs/models.md)",
+                      ["auto", "float32", "bfloat16", "float16"])
     quantization: str = _arg(
         "auto", "weight-only block quantization (README: Quantization): int8 (Q8_0 blocks), int4 (Q4_1 blocks; "
         "embedding and LM head Q8_0), none (every weight in --dtype); auto: a GGUF file's own Q8_0/Q4_0/Q4_1 "
@@ -430,13 +431,14 @@ def _c_kernels() -> bool:
 
 
 def _best_cpu_dtype() -> str:
-    """bfloat16 weights wherever the C kernels run: they halve the bytes a decode step reads, and the
-    many-row matmuls use a float32 (or, with native bf16 dot products, bfloat16) oneDNN copy, so
-    prefill is no slower. Without the kernels (PLAIT_CPU_ISA=ref, no compiler) torch would widen
-    every weight on every call: float32. The measurements behind this are in the README (Dtypes)."""
-    from plait.kernels import cpu_build
+    """bfloat16 where the CPU multiplies it natively (AVX512-BF16, AMX): it halves the bytes a decode step reads of
+    float weights and of the KV cache, at the speed of float32 arithmetic. Elsewhere float32: without native
+    bfloat16 products every use widens it, and a bfloat16 KV cache costs the int8 path a measured 0.4% of its top-1
+    agreement with float32 on the default model (docs/models.md); without the kernels (PLAIT_CPU_ISA=ref, no
+    compiler) torch would widen every weight on every call."""
+    from plait.kernels import cpu_build, cpu_isa
 
-    return "bfloat16" if cpu_build.c_kernels_possible() else "float32"
+    return "bfloat16" if cpu_build.c_kernels_possible() and cpu_isa.native_bf16() else "float32"
 
 
 def _best_quantized_matmul() -> str:
