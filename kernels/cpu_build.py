@@ -115,6 +115,20 @@ def _build(source_path: Path, level: str) -> Path:
     return target
 
 
+def check_compiles(source_path: Path, level: str) -> None:
+    """Compile `source_path` for `level` without optimizing or linking (a level this CPU lacks cannot be loaded,
+    but its build must still compile): an intrinsic outside the level's flags is an error at -O0 as at -O3."""
+    compiler = _compiler()
+    if not compiler:
+        raise RuntimeError("no C compiler found")
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run([compiler, "-O0", "-fopenmp", "-fPIC", "-c", *cpu_isa.compile_flags(level),
+                               str(source_path), "-o", str(Path(tmp) / "check.o")],
+                              capture_output=True, text=True, timeout=120)
+    if done.returncode:
+        raise RuntimeError(f"{source_path.name} does not compile for {level}:\n{done.stderr[-4000:]}")
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
