@@ -155,6 +155,20 @@ def test_many_row_layers_keep_one_copy_of_the_weight(fmt):
     assert ((int8(x) - exact).norm() / exact.norm()).item() < 2e-2
 
 
+def test_quantized_matmul_policy_picks_each_formats_activations():
+    """--quantized-matmul, resolved, per weight format: int8-k gives the K formats (two-level input scales) int8 and
+    the 32-blocks the exact path; a mixed layer keeps each shard's own."""
+    from plait.runtime.layers.quantization import QuantConfig
+
+    names = {"a": FORMATS[0], "b": FORMATS[3]}  # Q8_0, Q4_K
+    for matmul, exact in {"exact": (True, True), "int8": (False, False), "int8-k": (True, False)}.items():
+        quant = QuantConfig("auto", torch.float32, file_formats=names, matmul=matmul)
+        assert (quant.method(["a"]).exact, quant.method(["b"]).exact) == exact, matmul
+        assert [m.exact for m in quant.method(["a", "b"]).methods] == list(exact)
+    with pytest.raises(ValueError, match="quantized_matmul"):
+        QuantConfig("auto", torch.float32, file_formats=names, matmul="auto").method(["a"])
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("rows", [1, 3, 6, 17])
 @pytest.mark.parametrize("exact", [True, False], ids=["int16", "int8"])

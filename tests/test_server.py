@@ -93,8 +93,9 @@ def test_info_endpoints(http, server):
         native = cpu_build.c_kernels_possible() and cpu_isa.native_bf16()
         expected_dtype = "bfloat16" if native else "float32"
         assert si["dtype"] == si["kv_cache_dtype"] == expected_dtype and si["enable_deterministic_inference"]
-        # --quantized-matmul auto, resolved: int8 activations on AVX2, the exact int16 path on the AVX-512 levels
-        assert si["quantized_matmul"] == ("exact" if level.startswith(("avx512", "amx")) else "int8")
+        # --quantized-matmul auto, resolved: int8 activations for the K formats on AVX2, the exact int16 path on the
+        # AVX-512 levels
+        assert si["quantized_matmul"] == ("exact" if level.startswith(("avx512", "amx")) else "int8-k")
         # the default: the GGUF's own Q4_1 / Q8_0 blocks where the block kernel runs
         assert si["quantization"] == ("auto" if level != "ref" else "none")
         assert si["weight_formats"] == (["q4_1", "q8_0"] if level != "ref" else ["none"])

@@ -10,9 +10,10 @@
 
 Blocks are llama.cpp's layouts (kernels/cpu_quant.py), so GGUF blocks load straight into the
 kernel's layout; float tensors are quantized when they load; blocks of another format are
-dequantized and requantized. The kernel quantizes each input row per block, to int8 (--quantized-matmul int8, the
-default on AVX2: kernels/q8_linear.h, integer dot products at twice the exact path's rate, every row count, every
-format, no copy of the weight) or to int16 (exact, the default on the AVX-512 levels: kernels/quant_linear.c). On the
+dequantized and requantized. The kernel quantizes each input row per block, to int8 (--quantized-matmul int8, and
+int8-k, the default on AVX2, for the K formats: kernels/q8_linear.h, integer dot products at twice the exact path's
+rate, every row count, no copy of the weight) or to int16 (exact, the default on the AVX-512 levels, and int8-k's
+path for Q8_0/Q4_1/Q5_0: kernels/quant_linear.c). On the
 exact path, from 8 rows, on a CPU with AVX512-BF16 and where batch invariance is not asked for, the kernel decodes the
 weight to bfloat16 16 rows at a time for all the input rows (kernels/bf16_panel.h): as fast as oneDNN's bfloat16 GEMM
 over a float copy, so a model holds its weights once, at its file's size. On other CPUs the exact path's many-row
@@ -143,6 +144,14 @@ class BlockQuantizedMethod(LinearMethod):
         return quant_rows(layer.qweight, self.fmt, ids)
 
 
+def int8_activations(matmul: str, fmt: BlockFormat) -> bool:
+    """Whether a weight in `fmt` multiplies int8 activations under --quantized-matmul `matmul` (int8-k: the K formats
+    alone, whose input blocks have two levels of scale)."""
+    if matmul not in ("exact", "int8", "int8-k"):
+        raise ValueError(f"quantized_matmul must be exact, int8 or int8-k once resolved, got {matmul!r}")
+    return matmul == "int8" or (matmul == "int8-k" and fmt.super_block)
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """The method each layer gets: `mode` from --quantization; for `auto`, `file_formats` maps
@@ -152,7 +161,7 @@ class QuantConfig:
     dtype: torch.dtype
     packed: bool = True
     file_formats: dict[str, BlockFormat | None] = field(default_factory=dict)
-    exact: bool = True  # int16 activations in the block kernel (else int8: --quantized-matmul)
+    matmul: str = "exact"  # --quantized-matmul, resolved: exact, int8 or int8-k
 
     def __post_init__(self) -> None:
         if self.mode not in QUANTIZATIONS:
@@ -168,8 +177,9 @@ class QuantConfig:
         return MixedMethod([methods[fmt] for fmt in formats])
 
     def _method(self, fmt: BlockFormat | None) -> LinearMethod:
-        return UnquantizedMethod(self.dtype, self.packed) if fmt is None else BlockQuantizedMethod(fmt, self.packed,
-                                                                                                   self.exact)
+        if fmt is None:
+            return UnquantizedMethod(self.dtype, self.packed)
+        return BlockQuantizedMethod(fmt, self.packed, exact=not int8_activations(self.matmul, fmt))
 
     def _format(self, tensor_name: str, embedding: bool) -> BlockFormat | None:
         if self.mode == "none":

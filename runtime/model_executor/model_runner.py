@@ -72,7 +72,7 @@ class ModelRunner:
         loaded = load_model(args.model_path, self.dtype, args.context_length, args.tokenizer_path, progress,
                             with_tokenizer=not args.skip_tokenizer_init, quantization=args.quantization,
                             packed=not args.disable_packed_weights, group=group,
-                            exact=args.quantized_matmul == "exact")
+                            matmul=args.quantized_matmul)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.num_kv_heads = self.model.layers[0].num_kv_heads  # this rank's share
         self.weight_formats = self.model.weight_formats()

@@ -36,7 +36,7 @@ class LoadedModel:
 def load_model(model_path: str, dtype: torch.dtype, max_positions: int | None = None,
                tokenizer_path: str | None = None, progress: bool = True, with_tokenizer: bool = True,
                quantization: str = "none", packed: bool = True, group: Group = SINGLE,
-               exact: bool = True) -> LoadedModel:
+               matmul: str = "exact") -> LoadedModel:
     """The model (this rank's shard of it under tensor or expert parallelism), its config and tokenizer."""
     start = time.perf_counter()
     source = open_source(model_path)
@@ -44,7 +44,7 @@ def load_model(model_path: str, dtype: torch.dtype, max_positions: int | None = 
     with ThreadPoolExecutor(max_workers=1) as pool:
         # the tokenizer builds (Python-bound) while weights dequantize (numpy, off the GIL)
         tokenizer_future = pool.submit(_source_tokenizer, source, tokenizer_path) if with_tokenizer else None
-        quant = QuantConfig(quantization, dtype, packed, source.block_formats(), exact)
+        quant = QuantConfig(quantization, dtype, packed, source.block_formats(), matmul)
         model = model_class(config)(config, quant, max_positions or config.context_length, group=group)
         load_weights(model, source, progress, keep_blocks=quant.wants_blocks)
         model.eval()
@@ -63,12 +63,12 @@ class VocabLayers:
 
 
 def load_vocab_layers(model_path: str, dtype: torch.dtype, quantization: str = "none",
-                      packed: bool = True, exact: bool = True) -> VocabLayers:
+                      packed: bool = True, matmul: str = "exact") -> VocabLayers:
     """The embedding and LM head whole, on one rank: what an EAGLE head beside a target split across ranks
     reads (the target's own are split by vocabulary, and the head runs on rank 0 alone)."""
     source = open_source(model_path)
     config = source.model_config()
-    quant = QuantConfig(quantization, dtype, packed, source.block_formats(), exact)
+    quant = QuantConfig(quantization, dtype, packed, source.block_formats(), matmul)
     names = ["model.embed_tokens.weight"] + ([] if config.tie_word_embeddings else ["lm_head.weight"])
     layers = [VocabEmbedding(config.vocab_size, config.hidden_size, quant.method([n], embedding=True)) for n in names]
     loaders = dict(zip(names, layers))

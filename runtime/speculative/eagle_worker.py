@@ -45,7 +45,7 @@ def create(args, runner) -> "EagleDrafter":
         from plait.runtime.model_loader import load_vocab_layers
 
         vocab = load_vocab_layers(args.model_path, runner.dtype, args.quantization, not args.disable_packed_weights,
-                                  args.quantized_matmul == "exact")
+                                  args.quantized_matmul)
     head = load_eagle_head(args.speculative_draft_model_path, runner.config, vocab)
     if head.cfg.kind != args.speculative_algorithm:
         raise ValueError(f"speculative_algorithm {args.speculative_algorithm} but the draft model at "

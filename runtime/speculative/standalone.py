@@ -39,7 +39,7 @@ def create(args, runner) -> "StandaloneDrafter":
     """The draft model, whole on this process (under tensor parallelism it drafts on rank 0 alone)."""
     loaded = load_model(args.speculative_draft_model_path, runner.dtype, runner.context_length + 1, progress=False,
                         with_tokenizer=runner.tokenizer is not None, quantization=args.quantization,
-                        packed=not args.disable_packed_weights, exact=args.quantized_matmul == "exact")
+                        packed=not args.disable_packed_weights, matmul=args.quantized_matmul)
     _check_vocabulary(runner, loaded, args.speculative_draft_model_path)
     steps = min(args.speculative_num_steps or args.speculative_num_draft_tokens - 1,
                 args.speculative_num_draft_tokens - 1)
