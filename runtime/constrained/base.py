@@ -184,7 +184,7 @@ class GrammarCache:
     process that a runaway compile cannot hold for good in the scheduler). Failures are cached too, so
     a bad grammar sent again fails at once."""
 
-    def __init__(self, backend: GrammarBackend, capacity: int, workers: int = 2,
+    def __init__(self, backend: GrammarBackend | None, capacity: int, workers: int = 2,
                  new_compiler: Callable[[], Compiler] | None = None):
         self.capacity = capacity
         self._entries: OrderedDict[tuple[str, str, JsonStyle], Compile] = OrderedDict()

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 from typing import Callable
 
 import msgspec
@@ -186,9 +187,19 @@ class IsolatedCompiler:
     compile for minutes falls through to llguidance (milliseconds) within a second instead of failing at the
     timeout."""
 
-    def __init__(self, backend: GrammarBackend, config: WorkerConfig, timeout: float):
-        self.backend, self.config, self.timeout = backend, config, timeout
+    def __init__(self, backend: GrammarBackend | Future, config: WorkerConfig, timeout: float):
+        self._backend, self.config, self.timeout = backend, config, timeout
         self.worker: CompileWorker | None = None  # started on first use or by start()
+
+    @property
+    def backend(self) -> GrammarBackend:
+        """The scheduler's side of the backend (it loads what the worker compiled); a Future while it builds."""
+        if not isinstance(self._backend, Future):
+            return self._backend
+        try:
+            return self._backend.result()
+        except Exception as e:
+            raise GrammarError(f"the grammar backend could not be built: {e}") from e
 
     def start(self, spawned: subprocess.Popen | None = None) -> None:
         """Start the worker (on `spawned`, a spawn_worker() process, when given)."""

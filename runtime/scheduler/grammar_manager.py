@@ -74,19 +74,29 @@ class GrammarManager:
         self.args = args
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        backend = create_backend(args.grammar_backend, tokenizer, vocab_size, eos_ids)
         self.cache = None
-        if backend is not None:
+        self._pool = self._built_close_vocab = None
+        if args.grammar_backend != "none":
+            if tokenizer is None:
+                raise ValueError("a grammar backend needs the tokenizer (drop --skip-tokenizer-init or use "
+                                 "--grammar-backend none)")
+            # this side of the backend and the closing search's vocabulary walk the whole vocabulary in Python
+            # (seconds for a 152k one): built on a thread, so the server serves without waiting for them; the
+            # first grammar waits for what it needs
+            builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-build")
+            backend = builder.submit(create_backend, args.grammar_backend, tokenizer, vocab_size, eos_ids)
+            backend.add_done_callback(_log_failure)
+            if not args.disable_grammar_closing:
+                self._built_close_vocab = builder.submit(CloseVocab.from_tokenizer, tokenizer, vocab_size, eos_ids)
+            builder.shutdown(wait=False)
             # compiles run in worker processes: one that outlives --grammar-compile-timeout is killed
             config = WorkerConfig(args.grammar_backend, tokenizer_files(tokenizer), vocab_size, eos_ids)
-            self.cache = GrammarCache(backend, args.grammar_cache_size, new_compiler=lambda: IsolatedCompiler(
+            self.cache = GrammarCache(None, args.grammar_cache_size, new_compiler=lambda: IsolatedCompiler(
                 backend, config, args.grammar_compile_timeout))
-        # masks are filled while the forward runs: xgrammar releases the GIL, and a CPU forward leaves
-        # a core idle in its single-threaded stretches (measured here: +5-10% per token overlapped at
-        # batch 32, +16% filled after the forward)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask") if backend else None
-        closing = backend is not None and not args.disable_grammar_closing
-        self._close_vocab = CloseVocab.from_tokenizer(tokenizer, vocab_size, eos_ids) if closing else None
+            # masks are filled while the forward runs: xgrammar releases the GIL, and a CPU forward leaves
+            # a core idle in its single-threaded stretches (measured here: +5-10% per token overlapped at
+            # batch 32, +16% filled after the forward)
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask")
         self._key_vocab = None  # each token's text and quotes, for JSON schemas' UniqueKeys (built on first use)
         self.closed = 0  # requests whose grammar was closed early (the model would have written on)
         self.close_searches = 0
@@ -96,28 +106,27 @@ class GrammarManager:
         self.lazy_fills = 0  # masks filled because an unmasked pick was rejected
         self._faults: list[tuple[Req, Exception]] = []  # mask fills that raised, for the scheduler to fail
 
+    @property
+    def _close_vocab(self) -> CloseVocab | None:
+        """The closing search's vocabulary (None: closing is off), waited for if still building."""
+        return self._built_close_vocab.result() if self._built_close_vocab is not None else None
+
     # ---- compile ---------------------------------------------------------------------------
     def begin_step(self, running: int) -> None:
         """The forced text (jump-forward) the drafts planned after this step's forward may add, in all: the rows
         --jump-forward-token-budget leaves beside the running requests."""
         self.draft_budget = max(0, self.args.jump_forward_token_budget - running)
 
-    def warm_up(self, spawned: subprocess.Popen | None = None, wait: bool = True) -> None:
+    def warm_up(self, spawned: subprocess.Popen | None = None) -> None:
         """Start a compile worker (on `spawned`, from compile_worker.spawn_worker, when given), so the first
-        constrained request does not wait for it; with `wait`, until it can compile, so no request decodes
-        beside its start-up. A worker that fails to start is logged; the next compile starts another."""
+        constrained request need not wait for all of its start-up; the server serves meanwhile. A worker that fails
+        to start fails the compile that waits for it; the next compile starts another."""
         if self.cache is None:
             if spawned is not None:
                 spawned.kill()
                 spawned.wait()
             return
         self.cache.warm(spawned)
-        if not wait:
-            return
-        try:
-            self.cache.wait_warm()
-        except GrammarError as e:
-            logger.warning("%s", e)
 
     def close(self) -> None:
         if self.cache is not None:
@@ -378,3 +387,9 @@ class GrammarManager:
                 "close_searches": self.close_searches, "close_search_s": round(self.close_search_s, 3), "lazy_mask_fills": self.lazy_fills,
                 "grammar_cache_hits": self.cache.hits if self.cache else 0,
                 "grammar_cache_misses": self.cache.misses if self.cache else 0}
+
+
+def _log_failure(built: Future) -> None:
+    """A backend that cannot be built (an optional package missing) is said at once, not at the first grammar."""
+    if built.exception() is not None:
+        logger.error("the grammar backend could not be built: %s", built.exception())
