@@ -785,3 +785,42 @@ void quant_rows(const void *w, const int64_t *ids, int64_t count, int64_t n, int
     }
   }
 }
+
+// GGUF's Q6_K blocks (ql[128], qh[64], scales[16], d) in plait's plain Q6_K layout (d, scales, the two high-bit
+// planes, the low nibbles paired as Q4_K's): cpu_quant._repack's Q6_K branch, its reference, at load speed
+void q6k_from_gguf(const uint8_t *src, uint8_t *dst, int64_t blocks) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t *ql = src + b * 210, *qh = ql + 128;
+    uint8_t *o = dst + b * 210, *planes = o + 18, *nibbles = o + 82, q[8][32];
+    memcpy(o, ql + 208, 2);
+    memcpy(o + 2, ql + 192, 16);
+    for (int s = 0; s < 8; ++s) {  // sub-block s = 4 h + j: element l takes a nibble of ql and bits 2j, 2j + 1 of qh
+      const int h = s / 4, j = s % 4;
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t low = ql[64 * h + 32 * (j % 2) + l];
+        q[s][l] = (uint8_t)((j < 2 ? low & 0xF : low >> 4) | (((qh[32 * h + l] >> (2 * j)) & 3) << 4));
+      }
+    }
+    memset(planes, 0, 64);
+    for (int s = 0; s < 8; ++s)
+      for (int p = 0; p < 2; ++p)
+        for (int l = 0; l < 32; ++l) planes[s * 8 + p * 4 + l / 8] |= (uint8_t)(((q[s][l] >> (4 + p)) & 1) << (l % 8));
+    for (int p = 0; p < 4; ++p)
+      for (int l = 0; l < 32; ++l) nibbles[p * 32 + l] = (uint8_t)((q[2 * p][l] & 0xF) | ((q[2 * p + 1][l] & 0xF) << 4));
+  }
+}
+
+// plain blocks [n, row_bytes] in the kernel's tile layout, in place: within each whole tile of TILE_N rows, block g
+// of every row, field by field (the fields' sizes in `fields`); cpu_quant._interleave is its reference
+void interleave_tiles(uint8_t *w, int64_t n, int64_t row_bytes, int64_t block_bytes, const int64_t *fields,
+                      int64_t nfields) {
+  uint8_t *tile = malloc((size_t)(TILE_N * row_bytes));
+  for (int64_t t = 0; t + TILE_N <= n; t += TILE_N) {
+    uint8_t *out = w + t * row_bytes;
+    memcpy(tile, out, (size_t)(TILE_N * row_bytes));
+    for (int64_t g = 0; g < row_bytes / block_bytes; ++g)
+      for (int64_t f = 0, offset = g * block_bytes; f < nfields; offset += fields[f++])
+        for (int r = 0; r < TILE_N; ++r, out += fields[f]) memcpy(out, tile + r * row_bytes + offset, (size_t)fields[f]);
+  }
+  free(tile);
+}

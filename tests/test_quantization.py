@@ -337,3 +337,17 @@ def test_every_isa_level_this_cpu_has_matches_the_reference():
                                "lookup or stay_close or gemm"],
                               env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
         assert proc.returncode == 0 and " passed" in proc.stdout, f"PLAIT_CPU_ISA={level}:\n{proc.stdout[-3000:]}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_load_layouts_in_c_equal_their_torch_references(fmt):
+    """What loading does to a weight's bytes, in C where the kernels run (GGUF's Q6_K to plait's, the tile layout
+    in place) and in torch: the same bytes, whole tiles and a tail."""
+    from plait.kernels.cpu_quant import Q6_K, _interleave, _repack, interleave_
+
+    if _library() is None:
+        pytest.skip("the C kernels do not run here")
+    raw = torch.randint(0, 256, (11, 3 * fmt.block_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    if fmt is Q6_K:
+        assert torch.equal(from_gguf(raw, fmt.ggml_type), _repack(raw, fmt.ggml_type))
+    assert torch.equal(interleave_(raw.clone(), fmt), _interleave(raw, fmt))

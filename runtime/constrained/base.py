@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:  # annotations only: server_args imports this module's choices without torch
     import torch
@@ -156,6 +156,23 @@ class Compiler(Protocol):
     def compile(self, kind: str, text: str, style: JsonStyle, started: Callable[[], None]): ...
 
     def close(self) -> None: ...
+
+
+T = TypeVar("T")
+
+
+class Lazy(Generic[T]):
+    """A value built by `build()` on the first get(), once, whichever thread asks first (a build that raises is
+    tried again by the next get)."""
+
+    def __init__(self, build: Callable[[], T]):
+        self._build, self._lock, self._value = build, threading.Lock(), None
+
+    def get(self) -> T:
+        with self._lock:
+            if self._value is None:
+                self._value = self._build()
+            return self._value
 
 
 class InProcessCompiler:

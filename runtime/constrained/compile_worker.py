@@ -24,12 +24,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import Future
 from typing import Callable
 
 import msgspec
 
-from plait.runtime.constrained.base import Built, GrammarBackend, GrammarError, JsonStyle
+from plait.runtime.constrained.base import Built, GrammarBackend, GrammarError, JsonStyle, Lazy
 
 logger = logging.getLogger(__name__)
 
@@ -187,17 +186,17 @@ class IsolatedCompiler:
     compile for minutes falls through to llguidance (milliseconds) within a second instead of failing at the
     timeout."""
 
-    def __init__(self, backend: GrammarBackend | Future, config: WorkerConfig, timeout: float):
+    def __init__(self, backend: GrammarBackend | Lazy, config: WorkerConfig, timeout: float):
         self._backend, self.config, self.timeout = backend, config, timeout
         self.worker: CompileWorker | None = None  # started on first use or by start()
 
     @property
     def backend(self) -> GrammarBackend:
-        """The scheduler's side of the backend (it loads what the worker compiled); a Future while it builds."""
-        if not isinstance(self._backend, Future):
+        """The scheduler's side of the backend (it loads what the worker compiled), built on first use when Lazy."""
+        if not isinstance(self._backend, Lazy):
             return self._backend
         try:
-            return self._backend.result()
+            return self._backend.get()
         except Exception as e:
             raise GrammarError(f"the grammar backend could not be built: {e}") from e
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from plait.runtime.constrained import GrammarCache, GrammarError, JsonStyle, Matcher, create_backend
+from plait.runtime.constrained.base import Lazy
 from plait.runtime.constrained.base import token_texts
 from plait.runtime.constrained.bitmask import allocate_bitmask, apply_token_bitmask_
 from plait.runtime.constrained.closing import (CLOSE_WINDOW, CloseVocab, ClosingMatcher, plan_close,
@@ -75,20 +76,17 @@ class GrammarManager:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.cache = None
-        self._pool = self._built_close_vocab = None
+        self._pool = self._lazy_close_vocab = None
         if args.grammar_backend != "none":
             if tokenizer is None:
                 raise ValueError("a grammar backend needs the tokenizer (drop --skip-tokenizer-init or use "
                                  "--grammar-backend none)")
             # this side of the backend and the closing search's vocabulary walk the whole vocabulary in Python
-            # (seconds for a 152k one): built on a thread, so the server serves without waiting for them; the
-            # first grammar waits for what it needs
-            builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-build")
-            backend = builder.submit(create_backend, args.grammar_backend, tokenizer, vocab_size, eos_ids)
-            backend.add_done_callback(_log_failure)
+            # (4.5 s for a 152k one): built when the first grammar needs them, not at start-up, and not on a
+            # thread beside the first requests' forwards (which it slowed by seconds, holding the GIL)
+            backend = Lazy(lambda: create_backend(args.grammar_backend, tokenizer, vocab_size, eos_ids))
             if not args.disable_grammar_closing:
-                self._built_close_vocab = builder.submit(CloseVocab.from_tokenizer, tokenizer, vocab_size, eos_ids)
-            builder.shutdown(wait=False)
+                self._lazy_close_vocab = Lazy(lambda: CloseVocab.from_tokenizer(tokenizer, vocab_size, eos_ids))
             # compiles run in worker processes: one that outlives --grammar-compile-timeout is killed
             config = WorkerConfig(args.grammar_backend, tokenizer_files(tokenizer), vocab_size, eos_ids)
             self.cache = GrammarCache(None, args.grammar_cache_size, new_compiler=lambda: IsolatedCompiler(
@@ -108,8 +106,8 @@ class GrammarManager:
 
     @property
     def _close_vocab(self) -> CloseVocab | None:
-        """The closing search's vocabulary (None: closing is off), waited for if still building."""
-        return self._built_close_vocab.result() if self._built_close_vocab is not None else None
+        """The closing search's vocabulary (None: closing is off), built on first use."""
+        return self._lazy_close_vocab.get() if self._lazy_close_vocab is not None else None
 
     # ---- compile ---------------------------------------------------------------------------
     def begin_step(self, running: int) -> None:
@@ -387,9 +385,3 @@ class GrammarManager:
                 "close_searches": self.close_searches, "close_search_s": round(self.close_search_s, 3), "lazy_mask_fills": self.lazy_fills,
                 "grammar_cache_hits": self.cache.hits if self.cache else 0,
                 "grammar_cache_misses": self.cache.misses if self.cache else 0}
-
-
-def _log_failure(built: Future) -> None:
-    """A backend that cannot be built (an optional package missing) is said at once, not at the first grammar."""
-    if built.exception() is not None:
-        logger.error("the grammar backend could not be built: %s", built.exception())
