@@ -115,16 +115,22 @@ class GrammarManager:
         --jump-forward-token-budget leaves beside the running requests."""
         self.draft_budget = max(0, self.args.jump_forward_token_budget - running)
 
-    def warm_up(self, spawned: subprocess.Popen | None = None) -> None:
+    def warm_up(self, spawned: subprocess.Popen | None = None, wait: bool = True) -> None:
         """Start a compile worker (on `spawned`, from compile_worker.spawn_worker, when given), so the first
-        constrained request need not wait for all of its start-up; the server serves meanwhile. A worker that fails
-        to start fails the compile that waits for it; the next compile starts another."""
+        constrained request does not wait for it; with `wait`, until it can compile, so no request decodes
+        beside its start-up. A worker that fails to start is logged; the next compile starts another."""
         if self.cache is None:
             if spawned is not None:
                 spawned.kill()
                 spawned.wait()
             return
         self.cache.warm(spawned)
+        if not wait:
+            return
+        try:
+            self.cache.wait_warm()
+        except GrammarError as e:
+            logger.warning("%s", e)
 
     def close(self) -> None:
         if self.cache is not None:

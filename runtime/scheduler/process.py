@@ -64,7 +64,7 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, place: RankPlace, 
         runner = ModelRunner(args, group=join(place))
         scheduler = Scheduler(args, runner, lambda outs: out.send(BatchTokenOut(outs)))
         # the worker is waited for where its start-up would take cores from the first forwards
-        scheduler.warm_up(spawned)
+        scheduler.warm_up(spawned, wait=args.takes_every_core())
         reply["limits"] = msgspec.to_builtins(scheduler.limits)
     try:
         _Loop(scheduler, runner, inbox, out, ppid, place.replica).run()

@@ -88,9 +88,9 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running and not self.grammars.compiling
 
-    def warm_up(self, spawned) -> None:
+    def warm_up(self, spawned, wait: bool) -> None:
         """Hand the grammar manager its first compile worker (`spawned`, started while the model loaded)."""
-        self.grammars.warm_up(spawned)
+        self.grammars.warm_up(spawned, wait=wait)
 
     def close(self) -> None:
         """Stop the grammar compile workers (the process's end stops them too)."""
