@@ -270,16 +270,33 @@ static inline __attribute__((always_inline)) __m256i koffset4(const KScales *t, 
   return _mm256_slli_epi32(_mm256_blend_epi32(spread, _mm256_setzero_si256(), 0xAA), 5);
 }
 
-// the high bits (Q5_K: bit 4; Q6_K: bits 4 and 5) of 32 weights of sub-block s of row c, as 0x10 / 0x20 bytes
-static inline __attribute__((always_inline)) __m256i khigh(const KBlock *b, int s, const int fmt) {
-  if (fmt == Q6_K)
-    return _mm256_or_si256(bit_bytes(load_u32(b->hi + 8 * s), _mm256_set1_epi8(16)),
-                           bit_bytes(load_u32(b->hi + 8 * s + 4), _mm256_set1_epi8(32)));
+// Q5_K: the high bits (bit 4) of the 32 weights of sub-block s, as 0x10 bytes
+static inline __attribute__((always_inline)) __m256i khigh5(const KBlock *b, int s) {
   return bit_bytes(load_u32(b->hi + 4 * s), _mm256_set1_epi8(16));
 }
 
+// Q6_K: the high bits (4 and 5) of the 32 weights of sub-block s, as 0x10 / 0x20 bytes (both planes in one load)
+static inline __attribute__((always_inline)) __m256i khigh6(const KBlock *b, int s) {
+  int64_t planes;
+  memcpy(&planes, b->hi + 8 * s, 8);
+  const __m256i v = _mm256_set1_epi64x(planes), bit = _mm256_set1_epi64x(0x8040201008040201LL);
+  const __m256i b4 = _mm256_and_si256(_mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1,
+      1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)), bit);
+  const __m256i b5 = _mm256_and_si256(_mm256_shuffle_epi8(v, _mm256_setr_epi8(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5,
+      5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)), bit);
+  return _mm256_or_si256(_mm256_and_si256(_mm256_cmpeq_epi8(b4, bit), _mm256_set1_epi8(16)),
+                         _mm256_and_si256(_mm256_cmpeq_epi8(b5, bit), _mm256_set1_epi8(32)));
+}
+
+// word `lo` of each 128-bit half in every word of the low half, word `hi` in every word of the high one
+static inline __attribute__((always_inline)) __m256i word_of(__m256i v, int lo, int hi) {
+  return _mm256_shuffle_epi8(v, _mm256_setr_m128i(_mm_set1_epi16((short)((2 * lo + 1) << 8 | 2 * lo)),
+                                                  _mm_set1_epi16((short)((2 * hi + 1) << 8 | 2 * hi))));
+}
+
 // K formats, few input rows (R <= 2: decode): each weight row's sub-block pair at a time (64 weights, its 32 bytes of
-// nibbles) against each input row's
+// nibbles) against each input row's. A row's sub-block scales times the input's u_s are multiplied once per block (8
+// or 16 words in one vpmullw), each then spread over a vector by one shuffle.
 #define Q8_FEW 2
 static inline __attribute__((always_inline)) void q8k_few(const Q8Job *j, int64_t n, int64_t m, const int R,
                                                           const int fmt) {
@@ -295,34 +312,42 @@ static inline __attribute__((always_inline)) void q8k_few(const Q8Job *j, int64_
     KScales t;
     kscales_tile(b, &t, fmt, 0);
     __m256i acc[Q8_FEW][TILE_N];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < TILE_N; ++c) acc[r][c] = _mm256_setzero_si256();
-    for (int p = 0; p < 4; ++p) {
-      __m256i xl[Q8_FEW], xh[Q8_FEW], ul[Q8_FEW], uh[Q8_FEW];  // each input row's values and u_s of the pair
+    for (int c = 0; c < TILE_N; ++c) {
+      // su[r][h]: row c's scales times input row r's u_s as words (Q4_K/Q5_K: the 8 per 32 in both halves of h = 0;
+      // Q6_K: the 16 per 16, words 0-7 in both halves of h = 0, 8-15 of h = 1)
+      __m256i su[Q8_FEW][2];
       for (int r = 0; r < R; ++r) {
-        const int8_t *x = j->x.q + (m + r) * j->k + g * QKK + 64 * p;
-        const uint8_t *u = j->x.u + (m + r) * (j->k / 32) + g * 8 + 2 * p;
-        xl[r] = _mm256_loadu_si256((const __m256i *)x), xh[r] = _mm256_loadu_si256((const __m256i *)(x + 32));
-        ul[r] = _mm256_set1_epi16(u[0]), uh[r] = _mm256_set1_epi16(u[1]);
+        const __m128i u8 = _mm_loadl_epi64((const __m128i *)(j->x.u + (m + r) * (j->k / 32) + g * 8));
+        if (fmt == Q6_K) {
+          const __m256i prod = _mm256_mullo_epi16(t.w6[c], _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(u8, u8)));
+          su[r][0] = _mm256_permute2x128_si256(prod, prod, 0x00), su[r][1] = _mm256_permute2x128_si256(prod, prod, 0x11);
+        } else {
+          su[r][0] = _mm256_broadcastsi128_si256(
+              _mm_mullo_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)t.s[c])), _mm_cvtepu8_epi16(u8)));
+        }
+        acc[r][c] = _mm256_setzero_si256();
       }
-      for (int c = 0; c < TILE_N; ++c) {
+      for (int p = 0; p < 4; ++p) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(b[c].qs + 32 * p));
         __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        __m256i sl, sh;  // each 16-bit lane's scale (Q6_K: one per 16 weights, so the halves of a sub-block differ)
-        if (fmt == Q6_K) {
-          lo = _mm256_or_si256(lo, khigh(&b[c], 2 * p, fmt)), hi = _mm256_or_si256(hi, khigh(&b[c], 2 * p + 1, fmt));
-          const int8_t *sc = (const int8_t *)b[c].sc + 4 * p;
-          sl = _mm256_setr_m128i(_mm_set1_epi16(sc[0]), _mm_set1_epi16(sc[1]));
-          sh = _mm256_setr_m128i(_mm_set1_epi16(sc[2]), _mm_set1_epi16(sc[3]));
-        } else {
-          if (fmt == Q5_K) lo = _mm256_or_si256(lo, khigh(&b[c], 2 * p, fmt)), hi = _mm256_or_si256(hi, khigh(&b[c], 2 * p + 1, fmt));
-          sl = _mm256_set1_epi16((int16_t)((t.s[c] >> (16 * p)) & 0xFF));
-          sh = _mm256_set1_epi16((int16_t)((t.s[c] >> (16 * p + 8)) & 0xFF));
-        }
-        for (int r = 0; r < R; ++r)
+        if (fmt == Q6_K)
+          lo = _mm256_or_si256(lo, khigh6(&b[c], 2 * p)), hi = _mm256_or_si256(hi, khigh6(&b[c], 2 * p + 1));
+        else if (fmt == Q5_K)
+          lo = _mm256_or_si256(lo, khigh5(&b[c], 2 * p)), hi = _mm256_or_si256(hi, khigh5(&b[c], 2 * p + 1));
+        for (int r = 0; r < R; ++r) {
+          const int8_t *x = j->x.q + (m + r) * j->k + g * QKK + 64 * p;
+          __m256i sl, sh;  // each 16-bit lane's scale (Q6_K: one per 16 weights, so the halves of a sub-block differ)
+          if (fmt == Q6_K) {
+            const __m256i src = su[r][p / 2];
+            sl = word_of(src, 4 * (p % 2), 4 * (p % 2) + 1), sh = word_of(src, 4 * (p % 2) + 2, 4 * (p % 2) + 3);
+          } else {
+            sl = word_of(su[r][0], 2 * p, 2 * p), sh = word_of(su[r][0], 2 * p + 1, 2 * p + 1);
+          }
           acc[r][c] = _mm256_add_epi32(
-              acc[r][c], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl[r]), _mm256_mullo_epi16(sl, ul[r])),
-                                          _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh[r]), _mm256_mullo_epi16(sh, uh[r]))));
+              acc[r][c],
+              _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)), sl),
+                               _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 32))), sh)));
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -374,7 +399,7 @@ static inline __attribute__((always_inline)) __m256i planes_chunk(__m256i planes
 // for the R input rows; each input row's 8 values of a chunk broadcast against them. A sub-block's products sum in
 // int16 lanes over its chunks (Q4_K: 4 x 2 x 15 x 127, Q5_K: 4 x 2 x 31 x 127, Q6_K two at a time: 2 x 2 x 63 x 127,
 // all under 2^15) before one vpmaddwd by its scales: every product lands in its output's canonical lane.
-#define Q8_MANY 8
+#define Q8_MANY 16  // input rows that share one decode of a weight tile's blocks
 static inline __attribute__((always_inline)) void q8k_many(const Q8Job *j, int64_t n, int64_t m, const int R,
                                                            const int fmt) {
   const int64_t G = j->k / QKK, bb = kblock_bytes(fmt);
@@ -518,11 +543,12 @@ static inline __attribute__((always_inline)) void q8_many(const Q8Job *j, int64_
 #endif
 
 #if defined(__AVX2__)
-// a whole tile against input rows [m0, m1): groups of Q8_MANY, then the rest in one pass (K formats: two rows or one
-// by the few-row kernel); each row count a constant in its call, so the accumulators stay in registers
+// a whole tile against input rows [m0, m1): groups of Q8_MANY, then of 8, then the rest in one pass (K formats: two
+// rows or one by the few-row kernel); each row count a constant in its call, so its loops over rows unroll
 #define Q8_GROUPS(MANY, FEW)                                  \
   int64_t m = m0;                                             \
   for (; m + Q8_MANY <= m1; m += Q8_MANY) MANY(j, n, m, Q8_MANY, fmt); \
+  if (m + 8 <= m1) MANY(j, n, m, 8, fmt), m += 8;             \
   switch (m1 - m) {                                           \
     case 7: MANY(j, n, m, 7, fmt); break;                     \
     case 6: MANY(j, n, m, 6, fmt); break;                     \
