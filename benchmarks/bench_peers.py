@@ -470,7 +470,11 @@ def main() -> None:
         lines += offline(ns, tok, prompts)
     text = "\n".join(lines)
     print("\n" + text)
-    name = "peers.md" if ns.model == "default" else f"peers-{os.path.splitext(os.path.basename(gguf))[0]}.md"
+    # a model's run is kept per kernel level, so the docs show each kind of CPU it was measured on
+    from plait.kernels import cpu_isa
+
+    name = ("peers.md" if ns.model == "default"
+            else f"peers-{os.path.splitext(os.path.basename(gguf))[0]}-{cpu_isa.selected()}.md")
     save_results(name, text)
 
 

@@ -30,7 +30,6 @@ _SPECULATIVE = Plot("Speculative decoding: speed-up over no drafts", ("workload"
                     "speed-up", one=True)
 SPECS: dict[str, Plot] = {
     "peers.md": _PEERS,
-    "peers-qwen2.5-coder-1.5b-instruct-Q4_K_M.md": _PEERS,
     "models.md": Plot("Batch-1 decode against the bandwidth bound", ("model",),
                       r"^(batch-1 decode tok/s|bound tok/s)", "tokens/s"),
     "serving.md": Plot("Online serving: plait over transformers", ("workload",), r"^(req/s|out tok/s)$",
@@ -107,7 +106,7 @@ def _group_name(header: list[str], i: int, n: int) -> str:
 
 def plot(name: str, text: str, out_dir: str = IMG) -> str | None:
     """Draw results/`name`'s plot into out_dir; returns its path (None: no spec, no data or no matplotlib)."""
-    spec = SPECS.get(name)
+    spec = SPECS.get(name) or (_PEERS if name.startswith("peers-") else None)  # a model's run, per CPU level
     data = series(spec, text) if spec else None
     if data is None:
         return None
