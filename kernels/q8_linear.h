@@ -164,13 +164,16 @@ static float q8_dot_row(const Q8Job *j, int64_t n, const int whole, int c, int64
 // Both AVX2 kernels keep one 8-lane accumulator per input row for a whole tile: lane 2c holds weight row c's f0 (or
 // A0), lane 2c + 1 its f1 (A1).
 
+// byte i of `v` where bit i % 8 of byte index[i] of `bits` (in byte i's 128-bit half) is set, else 0
+static inline __attribute__((always_inline)) __m256i select_bytes(__m256i bits, __m256i index, const __m256i v) {
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(bits, index), bit), bit), v);
+}
+
 // 32 bytes: byte i of `v` where bit i of `bits` is set, else 0
 static inline __attribute__((always_inline)) __m256i bit_bytes(uint32_t bits, const __m256i v) {
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
-                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
-                                                              2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), v);
+  return select_bytes(_mm256_set1_epi32((int)bits), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2,
+                                                                     2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3), v);
 }
 
 // 8 int32 lanes (lane i: elements 4i..4i+3 of a weight row's block, as vpmaddwd leaves them) of the 4 rows as
@@ -279,13 +282,11 @@ static inline __attribute__((always_inline)) __m256i khigh5(const KBlock *b, int
 static inline __attribute__((always_inline)) __m256i khigh6(const KBlock *b, int s) {
   int64_t planes;
   memcpy(&planes, b->hi + 8 * s, 8);
-  const __m256i v = _mm256_set1_epi64x(planes), bit = _mm256_set1_epi64x(0x8040201008040201LL);
-  const __m256i b4 = _mm256_and_si256(_mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1,
-      1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)), bit);
-  const __m256i b5 = _mm256_and_si256(_mm256_shuffle_epi8(v, _mm256_setr_epi8(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5,
-      5, 5, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7)), bit);
-  return _mm256_or_si256(_mm256_and_si256(_mm256_cmpeq_epi8(b4, bit), _mm256_set1_epi8(16)),
-                         _mm256_and_si256(_mm256_cmpeq_epi8(b5, bit), _mm256_set1_epi8(32)));
+  const __m256i v = _mm256_set1_epi64x(planes);
+  return _mm256_or_si256(select_bytes(v, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2,
+                                                          2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3), _mm256_set1_epi8(16)),
+                         select_bytes(v, _mm256_setr_epi8(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6,
+                                                          6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7), _mm256_set1_epi8(32)));
 }
 
 // word `lo` of each 128-bit half in every word of the low half, word `hi` in every word of the high one
@@ -387,11 +388,9 @@ static inline __attribute__((always_inline)) __m256i planes4(const uint8_t *p0, 
 
 // bytes of `v` for elements [8q, 8q + 8) of each row whose bit is set in its plane (planes4)
 static inline __attribute__((always_inline)) __m256i planes_chunk(__m256i planes, int q, const __m256i v) {
-  const __m256i spread = _mm256_shuffle_epi8(planes, _mm256_setr_epi8(
-      q, q, q, q, q, q, q, q, 4 + q, 4 + q, 4 + q, 4 + q, 4 + q, 4 + q, 4 + q, 4 + q, 8 + q, 8 + q, 8 + q, 8 + q, 8 + q,
-      8 + q, 8 + q, 8 + q, 12 + q, 12 + q, 12 + q, 12 + q, 12 + q, 12 + q, 12 + q, 12 + q));
-  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), v);
+  return select_bytes(planes, _mm256_setr_epi8(q, q, q, q, q, q, q, q, 4 + q, 4 + q, 4 + q, 4 + q, 4 + q, 4 + q, 4 + q,
+                                               4 + q, 8 + q, 8 + q, 8 + q, 8 + q, 8 + q, 8 + q, 8 + q, 8 + q, 12 + q,
+                                               12 + q, 12 + q, 12 + q, 12 + q, 12 + q, 12 + q, 12 + q), v);
 }
 
 // K formats, many input rows (R <= Q8_MANY): per sub-block pair p, the 4 rows' nibbles 8 bytes each into one vector per
