@@ -218,18 +218,17 @@ def served_compile_times(schemas: list[str], instances: list[str | None], timeou
 
     from plait.runtime.constrained import GrammarError, JsonStyle, create_backend
     from plait.runtime.constrained.bitmask import allocate_bitmask
-    from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
-    from plait.runtime.model_loader import load_tokenizer
+    from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig
+    from plait.runtime.model_loader.tokenizer import grammar_vocab
     from plait.runtime.server_args import default_model_path
 
-    tok = load_tokenizer(default_model_path())
-    backend = create_backend("auto", tok, 49152, [tok.eos_token_id])
-    compiler = IsolatedCompiler(backend, WorkerConfig("auto", tokenizer_files(tok), 49152, [tok.eos_token_id]),
-                                timeout)
+    tok, vocab_size, eos_ids = grammar_vocab(default_model_path())
+    backend = create_backend("auto", tok, vocab_size, eos_ids)
+    compiler = IsolatedCompiler(backend, WorkerConfig("auto", default_model_path()), timeout)
     compiler.start()
     compiler.worker.wait_ready()
     stats = {"ok": [], "rejected": [], "timeout": [], "fills": [], "chosen": {}, "by_index": {}}
-    bitmask = allocate_bitmask(1, 49152)
+    bitmask = allocate_bitmask(1, vocab_size)
     try:
         for i, (text, instance) in enumerate(zip(schemas, instances)):
             t0 = time.perf_counter()

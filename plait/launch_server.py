@@ -7,15 +7,27 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from plait.runtime.entrypoints.http_server import launch_server
     from plait.runtime.server_args import ServerArgs
 
     try:
         args = ServerArgs.parse(argv, prog="plait serve")
+        resolved = args.resolved()
     except ValueError as e:
         print(f"plait: {e}", file=sys.stderr)
         return 2
-    return launch_server(args)
+    starting = None
+    if resolved.node_rank == 0:  # the runtime starts loading while this process imports its HTTP stack
+        from plait.runtime.launch.launcher import start_runtime
+
+        starting = start_runtime(resolved)
+    try:
+        from plait.runtime.entrypoints.http_server import launch_server
+    except BaseException:
+        if starting is not None:
+            starting.handle.shutdown()
+            starting.close()
+        raise
+    return launch_server(args, starting)
 
 
 if __name__ == "__main__":

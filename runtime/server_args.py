@@ -277,11 +277,6 @@ class ServerArgs:
         """Runtime processes running forwards on this machine (each a rank of a replica)."""
         return self.ranks_per_node * (self.dp_size if self.node_rank == 0 else 1)
 
-    def takes_every_core(self) -> bool:
-        """Whether the forwards of this machine's ranks use all its cores (no core idle beside them)."""
-        cores = os.cpu_count() or 1
-        return self.num_threads == 0 or self.num_threads * self.local_ranks() >= cores
-
     def resolved(self) -> "ServerArgs":
         """A copy with every 'auto'/None default filled in (done once, at start-up)."""
         device = "cpu" if self.device == "auto" else self.device

@@ -194,18 +194,20 @@ def test_compile_worker_kills_a_runaway_compile_and_rebuilds_what_it_compiled(to
     compiled here (the same mask). Under auto, a backend whose compile outlives its share of the timeout (its
     worker is killed) or whose worker dies is one more refusal: the next backend compiles it."""
     from plait.runtime.constrained import GrammarCache, create_backend
-    from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, spawn_worker, tokenizer_files
+    from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig
+    from plait.runtime.model_loader.tokenizer import grammar_vocab
+    from plait.runtime.server_args import default_model_path
 
-    spawned = spawn_worker()  # as the scheduler does: the process starts before its config exists
-    backend = create_backend("auto", tokenizer, 49152, [tokenizer.eos_token_id])
-    config = WorkerConfig("auto", tokenizer_files(tokenizer), 49152, [tokenizer.eos_token_id])
+    config = WorkerConfig("auto", default_model_path())
+    _, vocab_size, eos_ids = grammar_vocab(default_model_path())  # what the worker builds its backend with
+    assert vocab_size == 49152 and tokenizer.eos_token_id in eos_ids
+    backend = create_backend("auto", tokenizer, vocab_size, eos_ids)
     cache = GrammarCache(backend, 16, workers=1, new_compiler=lambda: IsolatedCompiler(backend, config, 8.0))
     compiler = cache._compilers[0]
     try:
-        cache.warm(spawned)
-        cache.wait_warm()
-        assert compiler.worker._proc is spawned and compiler.worker._ready
-        with open(f"/proc/{spawned.pid}/maps") as maps:  # a worker only compiles: torch stays out of its memory
+        compiler.wait_ready()  # started on the first compile otherwise
+        assert compiler.worker._ready
+        with open(f"/proc/{compiler.worker._proc.pid}/maps") as maps:  # a worker only compiles: torch stays out of its memory
             assert "libtorch" not in maps.read()
         # a grammar for each backend auto picks: xgrammar (EBNF), llguidance (JSON schemas, regexes), outlines
         # (minProperties, which the others refuse)

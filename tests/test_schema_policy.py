@@ -310,14 +310,14 @@ def test_full_corpus_soundness_without_a_model(backends, tokenizer):
     """Compiled as the server compiles: in a compile worker, within the server's compile timeout (outlines-core
     takes 30-50 s and 3 GB for some of these schemas; compiled in this process one after another, they took the
     whole machine's memory)."""
-    from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
-    from plait.runtime.server_args import ServerArgs
+    from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig
+    from plait.runtime.server_args import ServerArgs, default_model_path
 
     rows = corpus()
-    files, timeout = tokenizer_files(tokenizer), ServerArgs().grammar_compile_timeout
+    timeout = ServerArgs().grammar_compile_timeout
     accepted = {}
     for name, backend in backends.items():
-        compiler = IsolatedCompiler(backend, WorkerConfig(name, files, 49152, [tokenizer.eos_token_id]), timeout)
+        compiler = IsolatedCompiler(backend, WorkerConfig(name, default_model_path()), timeout)
         try:
             accepted[name] = _check_soundness(backend, tokenizer, rows, compiler)
         finally:

@@ -83,13 +83,3 @@ def test_parallel_settings_resolve_ranks_and_threads():
     assert ep.num_threads >= 1  # the machine's cores shared between the local ranks
     assert ServerArgs(tp_size=2, num_threads=3).resolved().num_threads == 3  # an explicit count wins
     assert ServerArgs().resolved().num_threads == 0  # one rank: torch's default
-
-
-def test_takes_every_core_counts_the_local_ranks_threads(monkeypatch):
-    """Whether the grammar worker's start-up is waited for (it would take a core from the first forwards)."""
-    monkeypatch.setattr("os.cpu_count", lambda: 4)
-    assert ServerArgs().takes_every_core()  # torch's default: every core
-    assert not ServerArgs(num_threads=2).takes_every_core()
-    assert ServerArgs(num_threads=2, dp_size=2).takes_every_core()
-    assert ServerArgs(tp_size=2).resolved().takes_every_core()  # 2 threads for each of 2 ranks
-    assert not ServerArgs(tp_size=4, nnodes=2, node_rank=1, dist_init_addr="h:1", num_threads=1).takes_every_core()

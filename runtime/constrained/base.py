@@ -149,10 +149,6 @@ class Compile:
 class Compiler(Protocol):
     """What compiles for one GrammarCache pool thread."""
 
-    def start(self, spawned: Any = None) -> None: ...  # spawned: a process started for it earlier
-
-    def wait_ready(self) -> None: ...
-
     def compile(self, kind: str, text: str, style: JsonStyle, started: Callable[[], None]): ...
 
     def close(self) -> None: ...
@@ -180,12 +176,6 @@ class InProcessCompiler:
 
     def __init__(self, backend: GrammarBackend):
         self.backend = backend
-
-    def start(self, spawned: Any = None) -> None:
-        pass
-
-    def wait_ready(self) -> None:
-        pass
 
     def compile(self, kind: str, text: str, style: JsonStyle, started: Callable[[], None]):
         started()
@@ -245,14 +235,6 @@ class GrammarCache:
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
             return entry
-
-    def warm(self, spawned: Any = None) -> None:
-        """Start the first compiler now (its worker loads while nothing waits on it), on `spawned` when given."""
-        self._compilers[0].start(spawned)
-
-    def wait_warm(self) -> None:
-        """Wait until the first compiler can compile."""
-        self._compilers[0].wait_ready()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -22,7 +22,6 @@ import select
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Callable
 
@@ -37,10 +36,12 @@ _HEADER = struct.Struct(">I")
 
 
 class WorkerConfig(msgspec.Struct, frozen=True):
+    """What a worker builds its backend from: the model's own tokenizer, vocabulary size and end ids, read from
+    the files as the scheduler reads them (model_loader.tokenizer), so the worker can start before the model loads."""
+
     backend: str
-    tokenizer_files: dict[str, bytes]  # the tokenizer's save_pretrained() output, by file name
-    vocab_size: int
-    eos_ids: list[int]
+    model_path: str
+    tokenizer_path: str | None = None
 
 
 class CompileJob(msgspec.Struct, frozen=True):
@@ -60,23 +61,20 @@ class CompileReply(msgspec.Struct, frozen=True):
     ready: bool = False  # the first frame a worker sends, once its backend is built
 
 
-def tokenizer_files(tokenizer) -> dict[str, bytes]:
-    """The tokenizer as files, for a worker to load with AutoTokenizer."""
-    with tempfile.TemporaryDirectory(prefix="plait-tokenizer-") as d:
-        tokenizer.save_pretrained(d)
-        return {name: open(os.path.join(d, name), "rb").read() for name in os.listdir(d)
-                if os.path.isfile(os.path.join(d, name))}
-
-
 # ---- the parent's side ----------------------------------------------------------------------
-def spawn_worker() -> subprocess.Popen:
-    """A worker process, importing its libraries while it waits for its WorkerConfig. The scheduler
-    spawns one before loading the model, so those seconds of CPU overlap the load instead of the
-    first requests' decode."""
+def spawn_worker(config: WorkerConfig) -> subprocess.Popen:
+    """A worker process, sent its config at once (it imports its libraries and builds its backend meanwhile)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error")  # not its note that PyTorch is absent (_preload)
-    return subprocess.Popen([sys.executable, "-m", "plait.runtime.constrained.compile_worker"],
+    proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.constrained.compile_worker"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    body = msgspec.msgpack.encode(config)
+    try:
+        proc.stdin.write(_HEADER.pack(len(body)) + body)
+        proc.stdin.flush()
+    except (BrokenPipeError, OSError):
+        pass  # died already: CompileWorker.wait_ready() replaces it
+    return proc
 
 
 class CompileWorker:
@@ -84,22 +82,17 @@ class CompileWorker:
     reply up to `timeout` seconds after the worker starts on it; past that, or if the worker dies,
     the worker is replaced and the grammar refused (GrammarError: a 400 for its request)."""
 
-    def __init__(self, config: WorkerConfig, spawned: subprocess.Popen | None = None):
-        self._config = msgspec.msgpack.encode(config)
+    def __init__(self, config: WorkerConfig):
+        self._config = config
         self._proc: subprocess.Popen | None = None
         self._ready = False
         self._buf = b""
         self.restarts = 0
-        self._start(spawned)
+        self._start()
 
-    def _start(self, spawned: subprocess.Popen | None = None) -> None:
-        self._proc = spawned or spawn_worker()
+    def _start(self) -> None:
+        self._proc = spawn_worker(self._config)
         self._ready, self._buf = False, b""
-        try:
-            self._proc.stdin.write(_HEADER.pack(len(self._config)) + self._config)
-            self._proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass  # a spawned worker that died already: wait_ready() replaces it
 
     def wait_ready(self) -> None:
         """Wait for the worker's backend to be built (replacing a dead worker first); GrammarError
@@ -200,13 +193,10 @@ class IsolatedCompiler:
         except Exception as e:
             raise GrammarError(f"the grammar backend could not be built: {e}") from e
 
-    def start(self, spawned: subprocess.Popen | None = None) -> None:
-        """Start the worker (on `spawned`, a spawn_worker() process, when given)."""
+    def start(self) -> None:
+        """Start the worker process (it builds its backend meanwhile)."""
         if self.worker is None:
-            self.worker = CompileWorker(self.config, spawned)
-        elif spawned is not None:
-            spawned.kill()
-            spawned.wait()
+            self.worker = CompileWorker(self.config)
 
     def wait_ready(self) -> None:
         self.start()
@@ -266,16 +256,10 @@ def _write_frame(stream, msg: CompileReply) -> None:
 
 
 def _build_backend(config: WorkerConfig) -> GrammarBackend:
-    from transformers import AutoTokenizer
-
     from plait.runtime.constrained import create_backend
+    from plait.runtime.model_loader.tokenizer import grammar_vocab
 
-    with tempfile.TemporaryDirectory(prefix="plait-tokenizer-") as d:
-        for name, data in config.tokenizer_files.items():
-            with open(os.path.join(d, os.path.basename(name)), "wb") as f:
-                f.write(data)
-        tokenizer = AutoTokenizer.from_pretrained(d)
-    return create_backend(config.backend, tokenizer, config.vocab_size, config.eos_ids)
+    return create_backend(config.backend, *grammar_vocab(config.model_path, config.tokenizer_path))
 
 
 def _preload() -> None:

@@ -14,6 +14,7 @@ import logging
 import signal
 import time
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +30,9 @@ from plait.runtime.entrypoints.openai_api import router as openai_router
 from plait.runtime.entrypoints.responses_api import router as responses_router
 from plait.runtime.parsers import reasoning_parser, tool_parser
 from plait.runtime.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from plait.runtime.launch.launcher import StartingRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -117,19 +121,21 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 # ---- launch ------------------------------------------------------------------------------
-def launch_server(args: ServerArgs) -> int:
-    """Start the runtime and serve until SIGINT/SIGTERM (exit 0) or a runtime process dies (exit 1)."""
+def launch_server(args: ServerArgs, starting: StartingRuntime | None = None) -> int:
+    """Start the runtime (or take `starting`, its processes started with `args` resolved) and serve until
+    SIGINT/SIGTERM (exit 0) or a runtime process dies (exit 1)."""
     import uvicorn
 
-    from plait.runtime.launch.launcher import launch_node, launch_runtime
+    from plait.runtime.launch.launcher import launch_node, start_runtime
     from plait.runtime.client.metrics import Metrics
 
     args = args.resolved()
     logging.basicConfig(level=args.log_level.upper(), format="[plait %(asctime)s] %(message)s")
     if args.node_rank > 0:  # another machine's ranks of a model node 0 serves
         return launch_node(args)
-    start = time.perf_counter()
-    runtime = launch_runtime(args)
+    starting = starting or start_runtime(args)
+    start = starting.started
+    runtime = starting.wait()
     state = ServerState(args, runtime, Metrics(served_model_name(args)) if args.enable_metrics else None)
     app = create_app(state)
     # uvicorn's own cut-off comes after plait's drain has ended what was left with an error

@@ -107,36 +107,66 @@ def _processes(args: ServerArgs) -> list[tuple[str, str, RankPlace]]:
     return out
 
 
-def launch_runtime(args: ServerArgs) -> RuntimeProcesses:
-    """Start this machine's runtime processes; load the tokenizer here meanwhile (node 0); return when
-    all are ready."""
+@dataclass
+class StartingRuntime:
+    """Runtime processes started and not yet ready: `wait()` for them (what the caller does meanwhile, such as
+    importing its HTTP stack, overlaps their start-up)."""
+
+    handle: RuntimeProcesses
+    pipes: dict[str, int]
+    started: float  # time.perf_counter() when the first process was started
+
+    def wait(self) -> RuntimeProcesses:
+        """Load the tokenizer here (node 0) while the processes start; return when all are ready."""
+        args, handle = self.handle.args, self.handle
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                tok = pool.submit(_tokenizer, args) if args.node_rank == 0 else None
+                replies = _wait_ready(handle.procs, self.pipes)
+                handle.tokenizer = tok.result() if tok is not None else None
+            if "scheduler" in replies:
+                handle.limits = RuntimeLimits(**replies["scheduler"]["limits"])
+        except BaseException:
+            handle.shutdown()
+            raise
+        finally:
+            self.close()
+        return handle
+
+    def close(self) -> None:
+        """Drop the readiness pipes (wait() does; the processes are the handle's to stop)."""
+        for fd in self.pipes.values():
+            os.close(fd)
+        self.pipes = {}
+
+
+def start_runtime(args: ServerArgs) -> StartingRuntime:
+    """Start this machine's runtime processes (each gets its configuration and loads its part)."""
     addrs = Addresses.private()
     base = {"args": dataclasses.asdict(args), "addrs": dataclasses.asdict(addrs)}
     procs: dict[str, subprocess.Popen] = {}
-    pipes: dict[str, int] = {}
-    handle = RuntimeProcesses(args, addrs, RuntimeLimits(0, 0, 0), None, procs)
+    starting = StartingRuntime(RuntimeProcesses(args, addrs, RuntimeLimits(0, 0, 0), None, procs), {},
+                               time.perf_counter())
     try:
         for name, role, place in _processes(args):
             r, w = os.pipe()
+            starting.pipes[name] = r
             proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.launch.proc_main", role, str(w)],
                                     stdin=subprocess.PIPE, pass_fds=(w,), env=_child_env(role))
             os.close(w)  # the child holds the only writer: EOF here means it died
+            procs[name] = proc
             proc.stdin.write((json.dumps({**base, "place": dataclasses.asdict(place)}) + "\n").encode())
             proc.stdin.close()
-            procs[name], pipes[name] = proc, r
-        with ThreadPoolExecutor(1) as pool:
-            tok = pool.submit(_tokenizer, args) if args.node_rank == 0 else None
-            replies = _wait_ready(procs, pipes)
-            handle.tokenizer = tok.result() if tok is not None else None
-        if "scheduler" in replies:
-            handle.limits = RuntimeLimits(**replies["scheduler"]["limits"])
     except BaseException:
-        handle.shutdown()
+        starting.handle.shutdown()
+        starting.close()
         raise
-    finally:
-        for fd in pipes.values():
-            os.close(fd)
-    return handle
+    return starting
+
+
+def launch_runtime(args: ServerArgs) -> RuntimeProcesses:
+    """Start this machine's runtime processes; return when all are ready."""
+    return start_runtime(args).wait()
 
 
 def launch_node(args: ServerArgs) -> int:

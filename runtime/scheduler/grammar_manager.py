@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import logging
-import subprocess
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -28,7 +27,7 @@ from plait.runtime.constrained.base import token_texts
 from plait.runtime.constrained.bitmask import allocate_bitmask, apply_token_bitmask_
 from plait.runtime.constrained.closing import (CLOSE_WINDOW, CloseVocab, ClosingMatcher, plan_close,
                                                 required_prefixes, still_holds)
-from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig, tokenizer_files
+from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig
 from plait.runtime.constrained.jump_forward import accepted_prefix, allowed_prefix, plan_draft
 from plait.runtime.constrained.unique_keys import KeyVocab, UniqueKeys
 from plait.runtime.ipc.messages import GRAMMAR_CLOSED, GRAMMAR_CUT, FinishReason
@@ -59,6 +58,8 @@ def close_window(req: Req) -> int:
 
 @dataclass(frozen=True)
 class GrammarConfig(NarrowConfig):
+    model_path: str  # where a compile worker reads the tokenizer (compile_worker.WorkerConfig)
+    tokenizer_path: str | None
     grammar_backend: str
     grammar_cache_size: int
     grammar_compile_timeout: float
@@ -88,7 +89,7 @@ class GrammarManager:
             if not args.disable_grammar_closing:
                 self._lazy_close_vocab = Lazy(lambda: CloseVocab.from_tokenizer(tokenizer, vocab_size, eos_ids))
             # compiles run in worker processes: one that outlives --grammar-compile-timeout is killed
-            config = WorkerConfig(args.grammar_backend, tokenizer_files(tokenizer), vocab_size, eos_ids)
+            config = WorkerConfig(args.grammar_backend, args.model_path, args.tokenizer_path)
             self.cache = GrammarCache(None, args.grammar_cache_size, new_compiler=lambda: IsolatedCompiler(
                 backend, config, args.grammar_compile_timeout))
             # masks are filled while the forward runs: xgrammar releases the GIL, and a CPU forward leaves
@@ -114,23 +115,6 @@ class GrammarManager:
         """The forced text (jump-forward) the drafts planned after this step's forward may add, in all: the rows
         --jump-forward-token-budget leaves beside the running requests."""
         self.draft_budget = max(0, self.args.jump_forward_token_budget - running)
-
-    def warm_up(self, spawned: subprocess.Popen | None = None, wait: bool = True) -> None:
-        """Start a compile worker (on `spawned`, from compile_worker.spawn_worker, when given), so the first
-        constrained request does not wait for it; with `wait`, until it can compile, so no request decodes
-        beside its start-up. A worker that fails to start is logged; the next compile starts another."""
-        if self.cache is None:
-            if spawned is not None:
-                spawned.kill()
-                spawned.wait()
-            return
-        self.cache.warm(spawned)
-        if not wait:
-            return
-        try:
-            self.cache.wait_warm()
-        except GrammarError as e:
-            logger.warning("%s", e)
 
     def close(self) -> None:
         if self.cache is not None:

@@ -51,20 +51,14 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, place: RankPlace, 
     replica = f" dp {place.replica}" if args.dp_size > 1 else ""
     logging.basicConfig(level=args.log_level.upper(), format=f"[plait scheduler{replica} %(asctime)s] %(message)s")
     with ready.starting() as reply:
-        from plait.runtime.constrained.compile_worker import spawn_worker
         from plait.runtime.model_executor.model_runner import ModelRunner
         from plait.runtime.scheduler.scheduler import Scheduler
 
-        # the grammar compile worker imports its libraries (seconds of CPU) while the model loads: started after,
-        # it slowed the first requests' decode 2-4x
-        spawned = spawn_worker() if args.grammar_backend != "none" else None
         ctx = zmq.Context()
         inbox = Receiver(ctx, addrs.scheduler_of(place.replica), ToScheduler)
         out = Sender(ctx, addrs.detokenizer)
         runner = ModelRunner(args, group=join(place))
         scheduler = Scheduler(args, runner, lambda outs: out.send(BatchTokenOut(outs)))
-        # the worker is waited for where its start-up would take cores from the first forwards
-        scheduler.warm_up(spawned, wait=args.takes_every_core())
         reply["limits"] = msgspec.to_builtins(scheduler.limits)
     try:
         _Loop(scheduler, runner, inbox, out, ppid, place.replica).run()

@@ -19,6 +19,7 @@ from plait.runtime.forward.batch import ForwardMode
 from plait.runtime.ipc.limits import RuntimeLimits, validate_request
 from plait.runtime.ipc.messages import AbortReq, FinishReason, JoinKVReq, TokenizedGenerateReq, TokenOut
 from plait.runtime.model_executor.model_runner import ModelRunner, WorkItem
+from plait.runtime.model_loader.tokenizer import end_ids
 from plait.runtime.sampling.sampler import SampleResult
 from plait.runtime.scheduler.admission import Admission, AdmissionConfig, Batch
 from plait.runtime.scheduler.batch_sampler import sample_isolated, sample_rows
@@ -42,9 +43,7 @@ class Scheduler:
         self.kv = KVManager(runner.allocator, runner.req_to_token, not args.disable_radix_cache, runner.kv_window)
         self.admission = Admission(AdmissionConfig.of(args), self.kv)
         self.context_length = runner.context_length
-        self.eos_ids = set(runner.config.eos_token_ids)
-        if runner.tokenizer is not None and runner.tokenizer.eos_token_id is not None:
-            self.eos_ids.add(runner.tokenizer.eos_token_id)
+        self.eos_ids = set(end_ids(runner.config, runner.tokenizer))
         self._seed_counter = args.random_seed
         self.num_failed = 0  # requests ended by a fault of their own (status 500, or 400 for a grammar's limit)
         self.num_kv_joins = 0
@@ -87,10 +86,6 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running and not self.grammars.compiling
-
-    def warm_up(self, spawned, wait: bool) -> None:
-        """Hand the grammar manager its first compile worker (`spawned`, started while the model loaded)."""
-        self.grammars.warm_up(spawned, wait=wait)
 
     def close(self) -> None:
         """Stop the grammar compile workers (the process's end stops them too)."""
