@@ -9,18 +9,22 @@ out in chunks (the C kernels) limits, but cannot remove, that wait.
 The governor measures instead of guessing: after `probe_every` decode steps it runs `probe_steps`
 steps with the other candidate thread count, and keeps whichever was faster per token over the
 probe and the same number of steps just before it (by more than `margin`, so noise does not flip
-it). A probe that loses doubles the wait before the next one, up to `max_probe_every`: on a quiet
-machine the probes ran one step in sixteen at half speed (6% of batch-1 decode), and a neighbour
-that arrives is still noticed within that many steps. A switch starts the waits over. Decode steps
-only, and a probe is weighed size by size against the steps of its own batch sizes: a step's cost per token
-falls as its batch grows, and under speculation plain decode steps come at any batch size now and then. With
-one thread to give there is nothing to choose and it does nothing.
+it). A probe that loses doubles the wait before the next one, up to `max_probe_every`. With every
+thread, a probe after the first runs only on suspicion: when the steps before it are slower per token
+than the best of their batch size lately (by more than `margin`). On a quiet machine the probes ran one step
+in sixteen at half speed (6% of batch-1 decode), then ever fewer; now one, once. A neighbour that arrives
+slows the steps and is noticed within the wait. With a thread given up, probes stay periodic (the
+neighbour's leaving does not slow anything). A switch starts the waits over. Decode steps only, and a probe
+is weighed size by size against the steps of its own batch sizes: a step's cost per token falls as its batch
+grows, and under speculation plain decode steps come at any batch size now and then. With one thread to give
+there is nothing to choose and it does nothing.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 
 import torch
 
@@ -38,11 +42,23 @@ class ThreadGovernor:
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=probe_steps)
         self._probe: list[tuple[float, int]] = []
         self._steps = 0
+        self._probed = False  # the first probe runs unasked (a neighbour from the start slows nothing later)
+        # per batch size, the best time per token at every thread lately (it creeps up: contexts grow)
+        self._best: dict[int, float] = {}
         self.switches = 0
 
     @property
     def probing(self) -> bool:
-        return bool(self._probe) or (self._steps >= self.wait and len(self._recent) == self.probe_steps)
+        if self._probe:
+            return True
+        due = self._steps >= self.wait and len(self._recent) == self.probe_steps
+        return due and (self.current < self.max_threads or not self._probed or self._suspect())
+
+    def _suspect(self) -> bool:
+        """Whether every recent step ran slower per token than the best of its size, by more than the margin (one
+        slow step is noise, and the probe is weighed against these steps)."""
+        sizes = [(s / n, self._best.get(n)) for s, n in self._recent]
+        return all(best is not None and t > best * (1 + self.margin) for t, best in sizes)
 
     def threads(self) -> int:
         """The thread count for the next decode step."""
@@ -57,10 +73,14 @@ class ThreadGovernor:
         if not self.probing:
             self._recent.append((seconds, tokens))
             self._steps += 1
+            if self.current == self.max_threads:
+                best = self._best.get(tokens, math.inf) * (1 + _CREEP)
+                self._best[tokens] = min(best, seconds / tokens)
             return
         self._probe.append((seconds, tokens))
         if len(self._probe) < self.probe_steps:
             return
+        self._probed = True
         ratio = _ratio(self._recent, self._probe)
         if ratio is None:  # no step of the probe's sizes before it: nothing to weigh, try again soon
             self.wait = self.probe_every
@@ -77,6 +97,9 @@ class ThreadGovernor:
     def _other(self) -> int:
         # the full count, or one fewer: a neighbour taking one core is what costs
         return self.max_threads - 1 if self.current == self.max_threads else self.max_threads
+
+
+_CREEP = 1 / 512  # a size's best time per token rises this share a step: a longer context costs more per token
 
 
 def _per_token(samples) -> float:
