@@ -180,9 +180,7 @@ def _q6_values(blocks: torch.Tensor) -> torch.Tensor:
     """Q6_K plain blocks as q - 32 [N, B, 256] (float)."""
     _, _, planes, qs = _split(blocks, Q6_K)
     q = _unpair(qs).long()
-    bits = _bits(planes, 512).reshape(*planes.shape[:-1], 8, 2, 32).long()
-    q = q + (bits[..., 0, :] << 4).reshape(q.shape) + (bits[..., 1, :] << 5).reshape(q.shape)
-    return (q - 32).float()
+    return (q + (_q6k_high(planes).long() << 4).reshape(q.shape) - 32).float()
 
 
 # rows converted at a time (a multiple of TILE): the repacks' intermediates stay a few MB (an LM head: 150k rows)
@@ -315,6 +313,8 @@ def interleave_(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     a weight)."""
     lib = _library()
     if lib is not None and blocks.is_contiguous():
+        if fmt is Q6_K and q6k_packed():
+            lib.q6k_pack_high(blocks.data_ptr(), blocks.shape[0] // TILE * TILE * (blocks.shape[1] // fmt.block_bytes))
         fields = torch.tensor(fmt.fields, dtype=torch.int64)
         lib.interleave_tiles(blocks.data_ptr(), blocks.shape[0], blocks.shape[1], fmt.block_bytes, fields.data_ptr(),
                              len(fmt.fields))
@@ -326,7 +326,10 @@ def interleave_(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
 
 def _interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     n4, g = blocks.shape[0] // TILE * TILE, blocks.shape[1] // fmt.block_bytes
-    tiles = blocks[:n4].reshape(n4 // TILE, TILE, g, fmt.block_bytes).transpose(1, 2)  # [T, G, 4, bytes]
+    whole = blocks[:n4]
+    if fmt is Q6_K and q6k_packed():
+        whole = _q6k_pack_high(whole.reshape(n4, g, fmt.block_bytes)).reshape(n4, blocks.shape[1])
+    tiles = whole.reshape(n4 // TILE, TILE, g, fmt.block_bytes).transpose(1, 2)  # [T, G, 4, bytes]
     parts = tiles.split(list(fmt.fields), -1)
     grouped = torch.cat([p.reshape(n4 // TILE, g, TILE * f) for p, f in zip(parts, list(fmt.fields))], -1)
     grouped = grouped.reshape(n4, blocks.shape[1])
@@ -338,7 +341,32 @@ def _tile_blocks(tiled: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     n4, g = tiled.shape[0] // TILE * TILE, tiled.shape[1] // fmt.block_bytes
     grouped = tiled[:n4].view(n4 // TILE, g, TILE * fmt.block_bytes)
     parts = grouped.split([TILE * f for f in list(fmt.fields)], -1)
-    return torch.cat([p.reshape(p.shape[0], g, TILE, f) for p, f in zip(parts, list(fmt.fields))], -1)
+    blocks = torch.cat([p.reshape(p.shape[0], g, TILE, f) for p, f in zip(parts, list(fmt.fields))], -1)
+    return _q6k_unpack_high(blocks) if fmt is Q6_K and q6k_packed() else blocks
+
+
+def _q6k_pack_high(blocks: torch.Tensor) -> torch.Tensor:
+    """Plain Q6_K blocks [..., 210] with their two bit planes (bit l of plane p of sub-block s: bit 4 + p of element
+    l) as whole tiles hold them where q6k_packed(): byte 32 h + l holds element l of sub-blocks 4h .. 4h + 3, 2 bits
+    each from bit 0 (kernels/quant_linear.c: q6k_pack_high)."""
+    two = _q6k_high(blocks[..., 18:82]).reshape(*blocks.shape[:-1], 2, 4, 32)  # [..., h, j, l]: sub-block 4h + j
+    shifts = (2 * torch.arange(4, dtype=torch.uint8))[:, None]
+    packed = (two << shifts).sum(-2, dtype=torch.uint8).reshape(*blocks.shape[:-1], 64)
+    return torch.cat([blocks[..., :18], packed, blocks[..., 82:]], -1)
+
+
+def _q6k_unpack_high(blocks: torch.Tensor) -> torch.Tensor:
+    """The inverse of _q6k_pack_high."""
+    packed = blocks[..., 18:82].reshape(*blocks.shape[:-1], 2, 1, 32)
+    two = ((packed >> (2 * torch.arange(4, dtype=torch.uint8))[:, None]) & 3).reshape(*blocks.shape[:-1], 8, 32)
+    planes = _pack_bits(torch.stack([two & 1, two >> 1], -2)).reshape(*blocks.shape[:-1], 64)
+    return torch.cat([blocks[..., :18], planes, blocks[..., 82:]], -1)
+
+
+def _q6k_high(planes: torch.Tensor) -> torch.Tensor:
+    """Q6_K's two bit planes [..., 64] as each element's high 2 bits (0..3) [..., 8 sub-blocks, 32]."""
+    bits = _bits(planes, 512).reshape(*planes.shape[:-1], 8, 2, 32)
+    return bits[..., 0, :] | (bits[..., 1, :] << 1)
 
 
 def deinterleave(tiled: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
@@ -360,7 +388,9 @@ def tiled_rows(tiled: torch.Tensor, fmt: BlockFormat, ids: torch.Tensor) -> torc
     tile_blocks = tiled[:n4].view(n4 // TILE, g, TILE * fmt.block_bytes)[ids // TILE]  # [I, G, 4 * block bytes]
     base, size = _row_bytes_in_tile(fmt)
     pos = base + (ids % TILE)[:, None] * size  # [I, block bytes]: where row i's block bytes are in a tile block
-    return tile_blocks.gather(2, pos[:, None, :].expand(-1, g, -1)).reshape(ids.numel(), tiled.shape[1])
+    rows = tile_blocks.gather(2, pos[:, None, :].expand(-1, g, -1))  # [I, G, block bytes]
+    rows = _q6k_unpack_high(rows) if fmt is Q6_K and q6k_packed() else rows
+    return rows.reshape(ids.numel(), tiled.shape[1])
 
 
 @functools.lru_cache(maxsize=None)
@@ -514,7 +544,16 @@ def _library() -> ctypes.CDLL | None:
     lib = load_library("quant_linear", quant_linear=(PTR, PTR, PTR, PTR, I64, I64, I64, INT, INT, PTR, F32, PTR, INT, INT,
                                                      INT),
                        quant_rows=(PTR, PTR, I64, I64, I64, INT, PTR), quant_bf16_panels=(),
-                       q6k_from_gguf=(PTR, PTR, I64), interleave_tiles=(PTR, I64, I64, I64, PTR, I64))
+                       q6k_from_gguf=(PTR, PTR, I64), interleave_tiles=(PTR, I64, I64, I64, PTR, I64),
+                       quant_q6k_packed=(), q6k_pack_high=(PTR, I64))
     if lib is not None:
         lib.quant_bf16_panels.restype = ctypes.c_int
+        lib.quant_q6k_packed.restype = ctypes.c_int
     return lib
+
+
+def q6k_packed() -> bool:
+    """Whether whole tiles hold Q6_K's high bits packed 2 bits a weight (the kernels built for this CPU level read them
+    so: kernels/quant_linear.c, Q6K_PACKED), not as the plain block's two bit planes."""
+    lib = _library()
+    return lib is not None and bool(lib.quant_q6k_packed())

@@ -21,9 +21,11 @@
 
 #define QKK 256
 
-// one weight row's block: where its fields are (in a whole tile, field by field for 4 rows; else plain)
+// one weight row's block: where its fields are (in a whole tile, field by field for 4 rows; else plain); `packed`:
+// Q6_K's high bits as Q6K_PACKED tiles hold them (q6_high), not as two bit planes
 typedef struct {
   const uint8_t *d, *dmin, *sc, *hi, *qs;
+  int packed;
 } KBlock;
 
 // a block's fields in bytes, in layout order (d first), and the block size
@@ -35,7 +37,8 @@ static inline __attribute__((always_inline)) KBlock kblock_in(const uint8_t *w, 
   const int T = whole ? TILE_N : 1, cc = whole ? c : 0;
   const uint8_t *t = whole ? w + (n * G + g * TILE_N) * bb : w + ((n + c) * G + g) * bb;
   KBlock b;
-  if (fmt == Q6_K) {  // d 2, scales 16, planes 64, nibbles 128
+  b.packed = Q6K_PACKED && whole && fmt == Q6_K;
+  if (fmt == Q6_K) {  // d 2, scales 16, planes (or packed high bits) 64, nibbles 128
     b.d = t + 2 * cc, b.dmin = 0, b.sc = t + 2 * T + 16 * cc, b.hi = t + 18 * T + 64 * cc, b.qs = t + 82 * T + 128 * cc;
   } else {  // d 2, dmin 2, scales 12, (Q5_K: planes 32), nibbles 128
     const int planes = fmt == Q5_K ? 32 : 0;
@@ -61,13 +64,19 @@ static inline void kscales(const uint8_t *q, int16_t *sc, int16_t *m) {
   for (int j = 0; j < 8; ++j) sc[j] = (int16_t)((s >> (8 * j)) & 0xFF), m[j] = (int16_t)((n >> (8 * j)) & 0xFF);
 }
 
+// Q6_K: the two high bits of element l of sub-block s (bits 4 and 5 of its integer, as 0..3): from the two bit planes
+// of a plain block, or from a packed tile's byte 32 (s / 4) + l, bits 2 (s % 4) and up
+static inline int q6_high(const KBlock *b, int s, int l) {
+  if (b->packed) return (b->hi[32 * (s / 4) + l] >> (2 * (s % 4))) & 3;
+  return (int)(((load_u32(b->hi + 8 * s) >> l) & 1) | (((load_u32(b->hi + 8 * s + 4) >> l) & 1) << 1));
+}
+
 // weight element i (0..255) of a block as its integer times its sub-block scale (what multiplies x)
 static inline int kweight(const KBlock *b, const int16_t *sc, int i, const int fmt) {
   const int s = i / 32, l = i % 32, byte = b->qs[(s / 2) * 32 + l];
   int q = s % 2 ? byte >> 4 : byte & 0xF;
   if (fmt == Q6_K) {
-    q |= ((load_u32(b->hi + 8 * s) >> l) & 1) << 4;
-    q |= ((load_u32(b->hi + 8 * s + 4) >> l) & 1) << 5;
+    q |= q6_high(b, s, l) << 4;
     return (q - 32) * (int8_t)b->sc[i / 16];
   }
   if (fmt == Q5_K) q |= ((load_u32(b->hi + 4 * s) >> l) & 1) << 4;
@@ -145,9 +154,14 @@ static inline __attribute__((always_inline)) __m256i khalf256(const KBlock *b, c
   const __m256i both = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b->qs + (s / 2) * 32 + 16 * h)));
   __m256i w = s % 2 ? _mm256_srli_epi16(both, 4) : _mm256_and_si256(both, _mm256_set1_epi16(0xF));
   if (fmt == Q6_K) {
+#if Q6K_PACKED  // whole tiles only (the scalar code takes the rest)
+    const __m256i hb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b->hi + 32 * (s / 4) + 16 * h)));
+    w = _mm256_or_si256(w, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * (s % 4)), _mm256_set1_epi16(3)), 4));
+#else
     const uint32_t b4 = load_u32(b->hi + 8 * s) >> (16 * h), b5 = load_u32(b->hi + 8 * s + 4) >> (16 * h);
     w = _mm256_add_epi16(w, _mm256_and_si256(bit_lanes(b4), _mm256_set1_epi16(16)));
     w = _mm256_add_epi16(w, _mm256_and_si256(bit_lanes(b5), _mm256_set1_epi16(32)));
+#endif
     return _mm256_mullo_epi16(_mm256_sub_epi16(w, _mm256_set1_epi16(32)), _mm256_set1_epi16((int8_t)b->sc[2 * s + h]));
   }
   if (fmt == Q5_K)
@@ -538,9 +552,7 @@ static void kquant_rows(const uint8_t *w, const int64_t *ids, int64_t count, int
       if (fmt == Q6_K) {
         for (int e = 0; e < QKK; ++e) {
           const int s = e / 32, l = e % 32, byte = b.qs[(s / 2) * 32 + l];
-          int q = s % 2 ? byte >> 4 : byte & 0xF;
-          q |= ((load_u32(b.hi + 8 * s) >> l) & 1) << 4;
-          q |= ((load_u32(b.hi + 8 * s + 4) >> l) & 1) << 5;
+          const int q = (s % 2 ? byte >> 4 : byte & 0xF) | q6_high(&b, s, l) << 4;
           o[e] = d * (float)(int8_t)b.sc[e / 16] * (float)(q - 32);
         }
         continue;

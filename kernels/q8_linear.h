@@ -103,8 +103,7 @@ static inline int kq(const KBlock *b, int i, const int fmt) {
   const int s = i / 32, l = i % 32, byte = b->qs[(s / 2) * 32 + l];
   int q = s % 2 ? byte >> 4 : byte & 0xF;
   if (fmt == Q6_K) {
-    q |= ((load_u32(b->hi + 8 * s) >> l) & 1) << 4;
-    q |= ((load_u32(b->hi + 8 * s + 4) >> l) & 1) << 5;
+    q |= q6_high(b, s, l) << 4;
   } else if (fmt == Q5_K) {
     q |= ((load_u32(b->hi + 4 * s) >> l) & 1) << 4;
   }
@@ -278,8 +277,21 @@ static inline __attribute__((always_inline)) __m256i khigh5(const KBlock *b, int
   return bit_bytes(load_u32(b->hi + 4 * s), _mm256_set1_epi8(16));
 }
 
-// Q6_K: the high bits (4 and 5) of the 32 weights of sub-block s, as 0x10 / 0x20 bytes (both planes in one load)
+// Q6_K: the high bits (4 and 5) of the 32 weights of sub-block s, as 0x10 / 0x20 bytes (a whole tile's block)
+#if Q6K_PACKED
+// packed bytes of sub-blocks 4h .. 4h + 3 (h = s / 4) with sub-block s's 2 bits moved to bits 4-5 and the rest masked off
+static inline __attribute__((always_inline)) __m256i q6_high_bytes(__m256i packed, int s) {
+  const int j = s % 4;  // a constant where the loops unroll
+  const __m256i h = j == 0 ? _mm256_slli_epi16(packed, 4) : j == 1 ? _mm256_slli_epi16(packed, 2)
+                    : j == 2 ? packed : _mm256_srli_epi16(packed, 2);
+  return _mm256_and_si256(h, _mm256_set1_epi8(0x30));
+}
+
 static inline __attribute__((always_inline)) __m256i khigh6(const KBlock *b, int s) {
+  return q6_high_bytes(_mm256_loadu_si256((const __m256i *)(b->hi + 32 * (s / 4))), s);
+}
+#else
+static inline __attribute__((always_inline)) __m256i khigh6(const KBlock *b, int s) {  // both planes in one load
   int64_t planes;
   memcpy(&planes, b->hi + 8 * s, 8);
   const __m256i v = _mm256_set1_epi64x(planes);
@@ -288,6 +300,7 @@ static inline __attribute__((always_inline)) __m256i khigh6(const KBlock *b, int
                          select_bytes(v, _mm256_setr_epi8(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6, 6,
                                                           6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7), _mm256_set1_epi8(32)));
 }
+#endif
 
 // word `lo` of each 128-bit half in every word of the low half, word `hi` in every word of the high one
 static inline __attribute__((always_inline)) __m256i word_of(__m256i v, int lo, int hi) {
@@ -418,7 +431,8 @@ static inline __attribute__((always_inline)) void q8k_many(const Q8Job *j, int64
     for (int p = 0; p < 4; ++p) {
       __m256i lo[4], hi[4];  // chunk q of sub-blocks 2p and 2p + 1, the 4 rows side by side
       __m256i p4l = _mm256_setzero_si256(), p4h = p4l, p5l = p4l, p5h = p4l;  // the high bits' planes
-      if (fmt != Q4_K) {
+      const int planar = fmt == Q5_K || (fmt == Q6_K && !Q6K_PACKED);
+      if (planar) {
         const int sl = 2 * p * pb, sh = (2 * p + 1) * pb;
         p4l = planes4(b[0].hi + sl, b[1].hi + sl, b[2].hi + sl, b[3].hi + sl);
         p4h = planes4(b[0].hi + sh, b[1].hi + sh, b[2].hi + sh, b[3].hi + sh);
@@ -431,14 +445,21 @@ static inline __attribute__((always_inline)) void q8k_many(const Q8Job *j, int64
         const int o = 32 * p + 8 * q;
         const __m256i v = gather8(b[0].qs + o, b[1].qs + o, b[2].qs + o, b[3].qs + o);
         lo[q] = _mm256_and_si256(v, m4), hi[q] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        if (fmt != Q4_K) {
+        if (planar) {
           lo[q] = _mm256_or_si256(lo[q], planes_chunk(p4l, q, _mm256_set1_epi8(16)));
           hi[q] = _mm256_or_si256(hi[q], planes_chunk(p4h, q, _mm256_set1_epi8(16)));
         }
-        if (fmt == Q6_K) {
+        if (planar && fmt == Q6_K) {
           lo[q] = _mm256_or_si256(lo[q], planes_chunk(p5l, q, _mm256_set1_epi8(32)));
           hi[q] = _mm256_or_si256(hi[q], planes_chunk(p5h, q, _mm256_set1_epi8(32)));
         }
+#if Q6K_PACKED
+        if (fmt == Q6_K) {  // the 4 rows' packed high bits of elements [8q, 8q + 8) of sub-blocks 2p and 2p + 1
+          const int h = 32 * (p / 2) + 8 * q;
+          const __m256i hv = gather8(b[0].hi + h, b[1].hi + h, b[2].hi + h, b[3].hi + h);
+          lo[q] = _mm256_or_si256(lo[q], q6_high_bytes(hv, 2 * p)), hi[q] = _mm256_or_si256(hi[q], q6_high_bytes(hv, 2 * p + 1));
+        }
+#endif
       }
       for (int r = 0; r < R; ++r) {
         const int8_t *x = j->x.q + (m + r) * j->k + g * QKK + 64 * p;

@@ -343,6 +343,16 @@ static inline __attribute__((always_inline)) void tile512(const Job *j, int64_t 
 #define REST3(max) ((max) > 3 ? 3 : 1)
 #define REST2(max) ((max) > 2 ? 2 : 1)
 
+// Q6_K's high bits in whole tiles: where AVX-512 kernels read them (as masks: one 32-bit plane per bit and sub-block),
+// two bit planes as the plain block holds them; elsewhere packed 2 bits a weight, byte 32 (s / 4) + l holding element
+// l of sub-blocks s, 4 at a time (q6k_pack_high), so an AVX2 kernel takes a sub-block's high bits with a shift and a
+// mask instead of expanding bits to bytes (batch-1 Q6_K from 15 to 21 GB/s on a Zen 3). Same bits either way.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define Q6K_PACKED 0
+#else
+#define Q6K_PACKED 1
+#endif
+
 #include "kquant.h"
 
 static inline __attribute__((always_inline)) void run_rows(const Job *j, int64_t begin, int64_t end, const int fmt) {
@@ -810,6 +820,23 @@ void q6k_from_gguf(const uint8_t *src, uint8_t *dst, int64_t blocks) {
         }
     for (int p = 0; p < 4; ++p)
       for (int l = 0; l < 32; ++l) nibbles[p * 32 + l] = (uint8_t)((q[2 * p][l] & 0xF) | ((q[2 * p + 1][l] & 0xF) << 4));
+  }
+}
+
+// 1 where whole tiles hold Q6_K's high bits packed (Q6K_PACKED), else 0
+int quant_q6k_packed(void) { return Q6K_PACKED; }
+
+// plain Q6_K blocks' two bit planes as Q6K_PACKED tiles hold the high bits, in place (what interleaving does to the rows of
+// whole tiles where Q6K_PACKED); cpu_quant._q6k_pack_high is its reference
+void q6k_pack_high(uint8_t *blocks, int64_t count) {
+  for (int64_t b = 0; b < count; ++b) {
+    uint8_t *hi = blocks + b * 210 + 18, packed[64] = {0};
+    for (int s = 0; s < 8; ++s) {
+      const uint32_t p4 = load_u32(hi + 8 * s), p5 = load_u32(hi + 8 * s + 4);
+      for (int l = 0; l < 32; ++l)
+        packed[32 * (s / 4) + l] |= (uint8_t)((((p4 >> l) & 1) | (((p5 >> l) & 1) << 1)) << (2 * (s % 4)));
+    }
+    memcpy(hi, packed, 64);
   }
 }
 
