@@ -346,7 +346,7 @@ static inline __attribute__((always_inline)) void tile512(const Job *j, int64_t 
 // Q6_K's high bits in whole tiles: where AVX-512 kernels read them (as masks: one 32-bit plane per bit and sub-block),
 // two bit planes as the plain block holds them; elsewhere packed 2 bits a weight, byte 32 (s / 4) + l holding element
 // l of sub-blocks s, 4 at a time (q6k_pack_high), so an AVX2 kernel takes a sub-block's high bits with a shift and a
-// mask instead of expanding bits to bytes (batch-1 Q6_K from 15 to 21 GB/s on a Zen 3). Same bits either way.
+// mask instead of expanding bits to bytes (batch-1 Q6_K 13-20 -> 18-26 GB/s on a Zen 3). Same bits either way.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define Q6K_PACKED 0
 #else
