@@ -313,7 +313,7 @@ def interleave_(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     a weight)."""
     lib = _library()
     if lib is not None and blocks.is_contiguous():
-        if fmt is Q6_K and q6k_packed():
+        if _packs_high(fmt):
             lib.q6k_pack_high(blocks.data_ptr(), blocks.shape[0] // TILE * TILE * (blocks.shape[1] // fmt.block_bytes))
         fields = torch.tensor(fmt.fields, dtype=torch.int64)
         lib.interleave_tiles(blocks.data_ptr(), blocks.shape[0], blocks.shape[1], fmt.block_bytes, fields.data_ptr(),
@@ -327,7 +327,7 @@ def interleave_(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
 def _interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     n4, g = blocks.shape[0] // TILE * TILE, blocks.shape[1] // fmt.block_bytes
     whole = blocks[:n4]
-    if fmt is Q6_K and q6k_packed():
+    if _packs_high(fmt):
         whole = _q6k_pack_high(whole.reshape(n4, g, fmt.block_bytes)).reshape(n4, blocks.shape[1])
     tiles = whole.reshape(n4 // TILE, TILE, g, fmt.block_bytes).transpose(1, 2)  # [T, G, 4, bytes]
     parts = tiles.split(list(fmt.fields), -1)
@@ -342,7 +342,7 @@ def _tile_blocks(tiled: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     grouped = tiled[:n4].view(n4 // TILE, g, TILE * fmt.block_bytes)
     parts = grouped.split([TILE * f for f in list(fmt.fields)], -1)
     blocks = torch.cat([p.reshape(p.shape[0], g, TILE, f) for p, f in zip(parts, list(fmt.fields))], -1)
-    return _q6k_unpack_high(blocks) if fmt is Q6_K and q6k_packed() else blocks
+    return _q6k_unpack_high(blocks) if _packs_high(fmt) else blocks
 
 
 def _q6k_pack_high(blocks: torch.Tensor) -> torch.Tensor:
@@ -389,7 +389,7 @@ def tiled_rows(tiled: torch.Tensor, fmt: BlockFormat, ids: torch.Tensor) -> torc
     base, size = _row_bytes_in_tile(fmt)
     pos = base + (ids % TILE)[:, None] * size  # [I, block bytes]: where row i's block bytes are in a tile block
     rows = tile_blocks.gather(2, pos[:, None, :].expand(-1, g, -1))  # [I, G, block bytes]
-    rows = _q6k_unpack_high(rows) if fmt is Q6_K and q6k_packed() else rows
+    rows = _q6k_unpack_high(rows) if _packs_high(fmt) else rows
     return rows.reshape(ids.numel(), tiled.shape[1])
 
 
@@ -550,6 +550,11 @@ def _library() -> ctypes.CDLL | None:
         lib.quant_bf16_panels.restype = ctypes.c_int
         lib.quant_q6k_packed.restype = ctypes.c_int
     return lib
+
+
+def _packs_high(fmt: BlockFormat) -> bool:
+    """Whether whole tiles of `fmt` hold high bits other than as the plain block does (Q6_K where q6k_packed())."""
+    return fmt is Q6_K and q6k_packed()
 
 
 def q6k_packed() -> bool:

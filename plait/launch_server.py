@@ -24,8 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         from plait.runtime.entrypoints.http_server import launch_server
     except BaseException:
         if starting is not None:
-            starting.handle.shutdown()
-            starting.close()
+            starting.abort()
         raise
     return launch_server(args, starting)
 

@@ -68,10 +68,8 @@ def spawn_worker(config: WorkerConfig) -> subprocess.Popen:
                TRANSFORMERS_VERBOSITY="error")  # not its note that PyTorch is absent (_preload)
     proc = subprocess.Popen([sys.executable, "-m", "plait.runtime.constrained.compile_worker"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-    body = msgspec.msgpack.encode(config)
     try:
-        proc.stdin.write(_HEADER.pack(len(body)) + body)
-        proc.stdin.flush()
+        _write_frame(proc.stdin, config)
     except (BrokenPipeError, OSError):
         pass  # died already: CompileWorker.wait_ready() replaces it
     return proc
@@ -110,10 +108,8 @@ class CompileWorker:
         """The worker's reply to `job` (`error` set when a backend refused it), at most `timeout`
         seconds after it was sent (`started` is called then; wait_ready() first). Raises GrammarError
         on a timeout or a dead worker, and replaces the worker."""
-        body = msgspec.msgpack.encode(job)
         try:
-            self._proc.stdin.write(_HEADER.pack(len(body)) + body)
-            self._proc.stdin.flush()
+            _write_frame(self._proc.stdin, job)
         except (BrokenPipeError, OSError):
             code = self._replace()
             raise GrammarError(f"the grammar compiler exited (code {code}) before compiling this {job.kind}") from None
@@ -249,7 +245,7 @@ def _read_frame(stream) -> bytes | None:
     return stream.read(n)
 
 
-def _write_frame(stream, msg: CompileReply) -> None:
+def _write_frame(stream, msg: msgspec.Struct) -> None:
     body = msgspec.msgpack.encode(msg)
     stream.write(_HEADER.pack(len(body)) + body)
     stream.flush()

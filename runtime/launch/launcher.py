@@ -127,11 +127,15 @@ class StartingRuntime:
             if "scheduler" in replies:
                 handle.limits = RuntimeLimits(**replies["scheduler"]["limits"])
         except BaseException:
-            handle.shutdown()
+            self.abort()
             raise
-        finally:
-            self.close()
+        self.close()
         return handle
+
+    def abort(self) -> None:
+        """Stop the processes and drop the pipes (start-up failed, here or in the caller)."""
+        self.handle.shutdown()
+        self.close()
 
     def close(self) -> None:
         """Drop the readiness pipes (wait() does; the processes are the handle's to stop)."""
@@ -158,8 +162,7 @@ def start_runtime(args: ServerArgs) -> StartingRuntime:
             proc.stdin.write((json.dumps({**base, "place": dataclasses.asdict(place)}) + "\n").encode())
             proc.stdin.close()
     except BaseException:
-        starting.handle.shutdown()
-        starting.close()
+        starting.abort()
         raise
     return starting
 
