@@ -45,9 +45,12 @@ run: setup
 demo: setup
 	$(PY) -m plait generate
 
+# the test files on two workers, a file to each at a time (a file's servers and engines start once); each test
+# uses one torch thread
+TEST_WORKERS ?= 2
 test: setup $(SGLANG_STAMP)
 	$(PY) -m plait models fetch $(TEST_MODELS)
-	PLAIT_TEST_THREADS=1 $(PY) -m pytest -q -x --durations=15 tests
+	PLAIT_TEST_THREADS=1 $(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 test-slow: setup models test-frameworks
 	@# exit code 5 means no test is marked slow yet

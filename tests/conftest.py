@@ -13,6 +13,15 @@ THREADS = int(os.environ.get("PLAIT_TEST_THREADS", "1"))
 torch.set_num_threads(THREADS)
 # the agent frameworks' tests run in a venv of their own (`make test-frameworks`, part of `make test-slow`)
 collect_ignore = ["frameworks"]
+# `make test` runs the files on two workers, a file to a worker, in collection order: the longest start first, so
+# that none is left running alone at the end
+LONGEST_FIRST = ("test_speculative.py", "test_structured.py", "test_tools.py", "test_grammar_backends.py",
+                 "test_engine.py", "test_lang.py", "test_determinism.py", "test_fuzz.py", "test_moe.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")
@@ -25,8 +34,12 @@ def engine():
 
 
 @pytest.fixture(scope="session")
-def tokenizer(engine):
-    return engine.tokenizer
+def tokenizer():
+    """The default model's tokenizer, as the engine's client loads it (no engine started for it)."""
+    from plait.runtime.model_loader.tokenizer import load_tokenizer
+    from plait.runtime.server_args import default_model_path
+
+    return load_tokenizer(default_model_path())
 
 
 @pytest.fixture(scope="session")

@@ -167,6 +167,7 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(engine, kwargs, match):
     assert engine.generate("Hello", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
 
 
+@pytest.mark.slow  # retraction's bookkeeping runs by default in test_scheduler.py, over a scripted model
 def test_small_kv_pool_serves_16_concurrent_requests(engine, tokenizer):
     """A pool for about 4 requests: admission waits, decoding retracts and resumes; nothing is lost
     and every output equals the same request on the big pool (paged KV, page_size 4, too)."""
@@ -186,6 +187,7 @@ def test_small_kv_pool_serves_16_concurrent_requests(engine, tokenizer):
     assert stats["kv_free"] + stats["cache_tokens"] == stats["kv_capacity"]  # no leaked slots
 
 
+@pytest.mark.slow  # as the pool above
 def test_disabled_radix_cache_gives_same_outputs(engine, tokenizer):
     prompts = [chat_prompt(tokenizer, q) for q in QUESTIONS[:4]]
     params = {"temperature": 0, "max_new_tokens": 12}

@@ -1,20 +1,16 @@
-"""One request's fault fails that request alone: the real scheduler on the real model, in this
-process, with a fault planted in one request's own handling (its grammar matcher, its stop check,
-its sampler); the other requests of the same batches finish with the tokens they get alone."""
+"""One request's fault fails that request alone: the real scheduler over a scripted model (tests/scripted.py), with
+a fault planted in one request's own handling (its grammar matcher, its stop check, its sampler); the other requests
+of the same batches finish with the tokens they get alone."""
 
 from __future__ import annotations
 
-import dataclasses
-import time
-
 import msgspec
 import pytest
+from scripted import drain, msg, scheduler, varied
 
-from plait.runtime.ipc.messages import TokenizedGenerateReq
-from plait.runtime.sampling import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler
 
-PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Write a haiku about rain.", "Colors of the rainbow:"]
+PROMPTS = [[2000, 2001, 2002], [2010, 2011], [2020, 2021, 2022, 2023], [2030]]
 
 
 class Boom(RuntimeError):
@@ -25,34 +21,20 @@ def _boom(*args, **kwargs):
     raise Boom("planted fault")
 
 
-def _scheduler(runner, runner_args) -> tuple[Scheduler, list]:
-    outs: list = []
-    args = dataclasses.replace(runner_args, disable_radix_cache=False)
-    return Scheduler(args, runner, outs.extend), outs
-
-
-def _run(sched: Scheduler, outs: list, reqs: list[TokenizedGenerateReq], plant=None) -> dict:
+def _run(sched: Scheduler, outs: list, reqs, plant=None) -> dict:
     for m in reqs:
         sched.add_request(m)
-    planted = False
-    deadline = time.monotonic() + 120  # a grammar waits for its compile worker to start (seconds)
-    while time.monotonic() < deadline:
-        if plant is not None and not planted:
-            planted = plant(sched)
-        if not sched.step():
-            break
-    results: dict = {}
-    for o in outs:
-        r = results.setdefault(o.rid, {"ids": [], "finish": None})
-        r["ids"] += o.new_ids
-        r["finish"] = o.finish or r["finish"]
-    outs.clear()
-    return results
+    planted = [plant is None]
+
+    def try_plant(s, step):
+        if not planted[0]:
+            planted[0] = plant(s)
+
+    return drain(sched, outs, timeout=120, between=try_plant)  # a grammar waits for its compile worker to start
 
 
-def _msg(rid: str, tok, text: str, **params) -> TokenizedGenerateReq:
-    p = SamplingParams.from_dict({"max_new_tokens": 12, "temperature": 0, **params})
-    return TokenizedGenerateReq(rid, tok.encode(text), p)
+def _msg(rid: str, prompt: list[int], **params):
+    return msg(rid, prompt, **{"max_new_tokens": 12, **params})
 
 
 def _find(sched: Scheduler, rid: str):
@@ -80,11 +62,19 @@ def _plant_on(rid: str, attr_path: str, value=_boom, needs_grammar: bool = False
     return plant
 
 
+@pytest.fixture(scope="module")
+def shared():
+    """One scheduler for the faults: its grammar compile worker starts once."""
+    sched, outs = scheduler(varied)
+    yield sched, outs
+    sched.close()
+
+
 @pytest.mark.parametrize("fault", ["stop_check", "grammar_accept", "grammar_mask", "sampler"])
-def test_a_fault_in_one_request_fails_it_alone(runner, runner_args, fault):
-    tok = runner.tokenizer
-    sched, outs = _scheduler(runner, runner_args)
-    good = [_msg(f"good{i}", tok, p) for i, p in enumerate(PROMPTS)]
+def test_a_fault_in_one_request_fails_it_alone(shared, fault):
+    sched, outs = shared
+    failed = sched.stats()["num_failed"]
+    good = [_msg(f"good{i}", p) for i, p in enumerate(PROMPTS)]
     alone = _run(sched, outs, good)
     assert all(r["finish"].type == "length" and len(r["ids"]) == 12 for r in alone.values())
 
@@ -102,7 +92,7 @@ def test_a_fault_in_one_request_fails_it_alone(runner, runner_args, fault):
         "sampler": _plant_on("victim", "generator", value=object()),
     }[fault]
 
-    victim = _msg("victim", tok, "Tell me about cats.", **victim_params)
+    victim = _msg("victim", [2040, 2041], **victim_params)
     again = [msgspec.structs.replace(m, rid=m.rid + "-again") for m in good]
     results = _run(sched, outs, [victim, *again], plant)
 
@@ -111,22 +101,17 @@ def test_a_fault_in_one_request_fails_it_alone(runner, runner_args, fault):
     for m in good:
         r = results[m.rid + "-again"]
         assert r["finish"].type == "length" and r["ids"] == alone[m.rid]["ids"]  # batch-mates unaffected
-    assert sched.stats()["num_failed"] == 1
+    assert sched.stats()["num_failed"] == failed + 1
     assert sched.idle and sched.kv.check() is None  # the failed request's KV went back
     sched.kv.flush()
-    sched.close()
 
 
-def test_a_large_request_does_not_starve_a_small_one(runner, runner_args):
+def test_a_large_request_does_not_starve_a_small_one():
     """Two running slots; a request of six sequences arrives first, then a single one. Fair admission
     gives the single request the first free slot instead of queueing it behind the whole group."""
-    tok = runner.tokenizer
-    args = dataclasses.replace(runner_args, max_running_requests=2)
-    outs: list = []
-    sched = Scheduler(args, runner, outs.extend)
-    group = [msgspec.structs.replace(_msg(f"big{i}", tok, PROMPTS[i % 4], max_new_tokens=8), group="big")
-             for i in range(6)]
-    for m in group + [_msg("small", tok, "Hello", max_new_tokens=2)]:
+    sched, outs = scheduler(varied, max_running_requests=2)
+    group = [_msg(f"big{i}", PROMPTS[i % 4], max_new_tokens=8, group="big") for i in range(6)]
+    for m in group + [_msg("small", [2050], max_new_tokens=2)]:
         sched.add_request(m)
     first_output: dict[str, int] = {}
     for step in range(200):

@@ -323,14 +323,20 @@ def test_quantized_batch_of_many_rows_matches_few(runners):
     assert float((p.exp() * (p - q)).sum()) < 0.01
 
 
-def test_every_isa_level_this_cpu_has_matches_the_reference():
+@pytest.mark.parametrize("levels", ["C", pytest.param("ref", marks=pytest.mark.slow)])
+def test_every_isa_level_this_cpu_has_matches_the_reference(levels):
     """The kernel tests above, rerun with the kernel built for each level the CPU supports (PLAIT_CPU_ISA):
-    AVX2's vpmaddwd path, AVX-512's wider tiles, VNNI's vpdpwssd, and `ref` (the torch reference)."""
+    AVX2's vpmaddwd path, AVX-512's wider tiles, VNNI's vpdpwssd; and `ref` (the torch reference, in
+    `make test-slow`: the tests above compare the kernels with it already)."""
     import os
     import subprocess
     import sys
 
-    for level in [lvl for lvl in cpu_isa.supported_levels() if lvl != cpu_isa.selected()]:
+    others = [lvl for lvl in cpu_isa.supported_levels() if lvl != cpu_isa.selected()]
+    chosen = [lvl for lvl in others if (lvl == "ref") == (levels == "ref")]
+    if not chosen:
+        pytest.skip(f"this CPU has no other {levels} level")
+    for level in chosen:
         env = {**os.environ, "PLAIT_CPU_ISA": level}
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k",
                                "builds or matches_reference or invariant or round_trip or load_exactly or prologues or "

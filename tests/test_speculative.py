@@ -139,8 +139,11 @@ def test_verification_samples_the_models_distribution(shape):
 # EAGLE3-tree: trees of top-4 expansions. NGRAM and the trees draft their most every step (the fixed policy), so
 # what they keep depends on the drafts alone, not on this machine's timings. The trees run in the slow target
 # (`make test-slow`; the tree mask itself is checked at the logits level in test_eagle.py, and the tree walk's
-# distribution above)
-ALGORITHMS = ["NGRAM", "SUFFIX", "EAGLE3", "STANDALONE", pytest.param("EAGLE3-tree", marks=pytest.mark.slow)]
+# distribution above). The scheduler's side of every drafter (the walk, the KV of rejected drafts, stops, seeds and
+# logprobs inside kept drafts) runs by default in test_scheduler.py over a scripted model; here by default the
+# drafters only a model shows (EAGLE-3's head; a draft model for the output identity), the rest in the slow target
+ALGORITHMS = [pytest.param("NGRAM", marks=pytest.mark.slow), pytest.param("SUFFIX", marks=pytest.mark.slow), "EAGLE3",
+              pytest.param("STANDALONE", marks=pytest.mark.slow), pytest.param("EAGLE3-tree", marks=pytest.mark.slow)]
 _FLAGS = {"NGRAM": {"speculative_algorithm": "NGRAM", "speculative_draft_policy": "fixed"},
           "SUFFIX": {"speculative_algorithm": "SUFFIX", "speculative_draft_policy": "fixed"},
           "EAGLE3": {"speculative_algorithm": "EAGLE3"},
@@ -195,10 +198,10 @@ def _cases(batch: int, n: int, default: tuple[str, ...]) -> list:
     return [pytest.param(a, batch, n, marks=() if a in default else pytest.mark.slow) for a in names]
 
 
-# batches are checked by default where the drafter keeps K/V at the target's slots (the model drafters); the
-# lookups' batches, and every drafter's longer sets, in `make test-slow`
-@pytest.mark.parametrize("engines,batch,n", _cases(1, 6, ("NGRAM", "SUFFIX", "EAGLE3", "STANDALONE"))
-                         + _cases(8, 16, ("EAGLE3", "STANDALONE")) + _cases(1, 32, ()) + _cases(8, 32, ()),
+# by default EAGLE-3 (one stream and batches: its head keeps K/V at the target's slots); the lookups, a draft model
+# and every drafter's longer sets in `make test-slow`
+@pytest.mark.parametrize("engines,batch,n", _cases(1, 6, ("EAGLE3",))
+                         + _cases(8, 16, ("EAGLE3",)) + _cases(1, 32, ()) + _cases(8, 32, ()),
                          indirect=["engines"])
 def test_drafted_outputs_are_token_identical(engines, batch, n):
     plain, spec = engines
@@ -267,6 +270,7 @@ def test_stops_inside_a_kept_draft_and_logprobs(engines):
             assert json.dumps(a) == json.dumps(b) or _close(a, b), key
 
 
+@pytest.mark.slow  # the store's side runs by default in test_scheduler.py, over a scripted model
 def test_suffix_drafts_from_earlier_outputs(deterministic):
     """An answer given before is drafted from the shared store: asked again, nearly every token comes from it."""
     plain, spec = deterministic(None), deterministic("SUFFIX")

@@ -57,9 +57,10 @@ def _generate_corpus(engine, tokenizer, rows, max_new: int, temps=(0.0, 0.7)):
 
 
 def test_corpus_schemas_generate_valid_json(engine, tokenizer):
-    rows = corpus(every=12)
+    """Every 60th schema of the corpus by default; every one in `make test-slow`."""
+    rows = corpus(every=60)
     compiled, rejected, checked = _generate_corpus(engine, tokenizer, rows, max_new=192)
-    assert len(compiled) >= 10 and checked >= 6  # the rest ramble in a string until max_new_tokens
+    assert len(compiled) >= 4 and checked >= 4  # 4 of these 5 compile; an output may ramble in a string to max_new_tokens
     # a rejected schema is refused fast (the failure is cached) with a message naming the problem
     rid, message = next(iter(rejected.items()))
     schema = next(r["schema"] for r in rows if r["id"] == rid)
@@ -147,6 +148,7 @@ def test_grammar_errors_are_clear_and_fast(engine):
     assert re.fullmatch(r"\d{5}", out["text"])
 
 
+@pytest.mark.slow  # the scheduler's part runs by default in test_scheduler.py, over a scripted model
 def test_jump_forward_is_exact_and_saves_forwards(engine, tokenizer):
     """Same text and ids with jump-forward on (the session engine) and off, at temperature 0;
     fewer forward passes with it on."""

@@ -189,24 +189,31 @@ class KVManager:
         self.cache.reset()
         return True
 
-    def check(self) -> str | None:
-        """With no request holding KV: every slot is free or in the cache, no node is locked, every
-        row is free, and the tree's invariants hold. None when consistent, else what is wrong."""
+    def check(self, holding: list[Req] = ()) -> str | None:
+        """Every slot is free, in the cache, or owned by exactly one of the requests `holding` KV (the admitted
+        ones: none when idle); no node is locked and no row held but theirs; the tree's invariants hold. None when
+        consistent, else what is wrong."""
         try:
             self.cache.check()
         except AssertionError as e:
             return f"radix tree: {e}"
         stats = self.cache.stats()
-        if stats.protected_tokens:
+        held = [r for r in holding if r.row is not None]
+        if stats.protected_tokens and not held:
             return f"{stats.protected_tokens} cached tokens are still locked"
-        if self.allocator.free_slots + stats.total_tokens != self.allocator.capacity:
-            return (f"leaked KV: {self.allocator.free_slots} free + {stats.total_tokens} cached != "
+        own = [self.table[r.row, r.tree_len : r.alloc_len] for r in held]
+        if own and torch.cat(own).unique().numel() != sum(len(o) for o in own):
+            return "two requests own the same KV slot"
+        page = self.page_size  # a request holds the whole page its last token is on
+        owned = sum(-(-r.alloc_len // page) * page - r.tree_len for r in held)
+        if self.allocator.free_slots + stats.total_tokens + owned != self.allocator.capacity:
+            return (f"leaked KV: {self.allocator.free_slots} free + {stats.total_tokens} cached + {owned} owned != "
                     f"{self.allocator.capacity} slots")
         if self.window:
-            window, held = self.allocator.window, self.cache.window_held()
-            if window.free_slots + held != window.capacity:
-                return f"leaked window KV: {window.free_slots} free + {held} cached != {window.capacity} slots"
+            window, cached = self.allocator.window, self.cache.window_held()
+            if not held and window.free_slots + cached != window.capacity:
+                return f"leaked window KV: {window.free_slots} free + {cached} cached != {window.capacity} slots"
         rows = self.req_to_token.table.shape[0]
-        if self.req_to_token.available != rows:
-            return f"{rows - self.req_to_token.available} request rows are still held"
+        if self.req_to_token.available != rows - len(held):
+            return f"{rows - self.req_to_token.available} request rows are held, by {len(held)} requests"
         return None
