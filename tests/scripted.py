@@ -117,10 +117,10 @@ class ScriptedRunner:
         self.slot_token[dst] = self.slot_token[src]
 
 
-def scheduler(script: Script, emit=None, *, num_slots: int = 4096, context_length: int = 2048,
+def scheduler(script: Script, *, num_slots: int = 4096, context_length: int = 2048,
               **args) -> tuple[Scheduler, list]:
     """A real Scheduler over a ScriptedRunner; `args` are ServerArgs fields. Returns it and the list its
-    outputs go to (unless `emit` is given)."""
+    outputs go to."""
     from plait.runtime.server_args import default_model_path
 
     base = dict(model_path=default_model_path(), log_level="warning", max_total_tokens=num_slots,
@@ -128,7 +128,7 @@ def scheduler(script: Script, emit=None, *, num_slots: int = 4096, context_lengt
     server = ServerArgs(**{**base, **args}).resolved()
     runner = ScriptedRunner(script, num_slots, server.max_running_requests, context_length, server.page_size)
     outs: list = []
-    return Scheduler(server, runner, emit or outs.extend), outs
+    return Scheduler(server, runner, outs.extend), outs
 
 
 def msg(rid: str, prompt: list[int], **params) -> TokenizedGenerateReq:
@@ -166,15 +166,10 @@ def drain(sched: Scheduler, outs: list, max_steps: int = 10_000, timeout: float 
     return results
 
 
-def reference(script: Script, prompt: list[int], max_new_tokens: int, eos_ids=()) -> list[int]:
+def reference(script: Script, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy decoding of the script on the true sequence: what a correct scheduler outputs."""
     ids = list(prompt)
-    out: list[int] = []
-    while len(out) < max_new_tokens:
+    while len(ids) < len(prompt) + max_new_tokens:
         nxt = script(tuple(ids))
-        tok = int(nxt.argmax()) if isinstance(nxt, torch.Tensor) else nxt
-        out.append(tok)
-        ids.append(tok)
-        if tok in eos_ids:
-            break
-    return out
+        ids.append(int(nxt.argmax()) if isinstance(nxt, torch.Tensor) else nxt)
+    return ids[len(prompt):]

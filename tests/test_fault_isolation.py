@@ -24,11 +24,12 @@ def _boom(*args, **kwargs):
 def _run(sched: Scheduler, outs: list, reqs, plant=None) -> dict:
     for m in reqs:
         sched.add_request(m)
-    planted = [plant is None]
+    planted = plant is None
 
     def try_plant(s, step):
-        if not planted[0]:
-            planted[0] = plant(s)
+        nonlocal planted
+        if not planted:
+            planted = plant(s)
 
     return drain(sched, outs, timeout=120, between=try_plant)  # a grammar waits for its compile worker to start
 

@@ -262,7 +262,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.prompts: dict[str, list[int]] = {}
         self.max_new: dict[str, int] = {}
         self.aborted: set[str] = set()
-        self.results: dict[str, dict] = {}
 
     @rule(stem=st.sampled_from([(), (2000, 2001, 2002, 2003), tuple(range(2100, 2130))]),
           tail=st.lists(st.integers(2000, 2010), min_size=1, max_size=20), max_new=st.integers(8, 60))
@@ -291,14 +290,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "sched"):
             return
-        self.results.update(drain(self.sched, self.outs))
+        results = drain(self.sched, self.outs)
         assert self.sched.kv.check() is None, self.sched.kv.check()
         for rid, prompt in self.prompts.items():
             if rid in self.aborted:
                 continue
-            r = self.results[rid]
+            r = results[rid]
             want = reference(repetitive, prompt, self.max_new[rid])
-            if r["finish"].message == "KV cache is full" or r["finish"].message == "request does not fit the KV cache":
+            if r["finish"].message in ("KV cache is full", "request does not fit the KV cache"):
                 assert r["ids"] == want[: len(r["ids"])]
             else:
                 assert r["ids"] == want, rid

@@ -191,8 +191,8 @@ class KVManager:
 
     def check(self, holding: list[Req] = ()) -> str | None:
         """Every slot is free, in the cache, or owned by exactly one of the requests `holding` KV (the admitted
-        ones: none when idle); no node is locked and no row held but theirs; the tree's invariants hold. None when
-        consistent, else what is wrong."""
+        ones: none when idle); no node is locked and no row held but theirs; the tree's invariants hold (the window
+        slots are counted when idle only). None when consistent, else what is wrong."""
         try:
             self.cache.check()
         except AssertionError as e:
