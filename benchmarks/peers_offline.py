@@ -102,10 +102,10 @@ def _greedy(runner, prompt: list[int], n: int) -> list[int]:
 
     row = _row(runner, len(prompt) + n)
     out: list[int] = []
-    logits = runner.forward([WorkItem(row, 0, prompt, [len(prompt) - 1])])
+    logits = runner.forward([WorkItem(row, 0, prompt, [len(prompt) - 1])]).logits
     for i in range(n):
         out.append(int(logits[0].argmax()))
-        logits = runner.forward([WorkItem(row, len(prompt) + i, [out[-1]], [0], ForwardMode.DECODE)])
+        logits = runner.forward([WorkItem(row, len(prompt) + i, [out[-1]], [0], ForwardMode.DECODE)]).logits
     _free(runner, row, len(prompt) + n)
     return out
 
@@ -115,7 +115,7 @@ def _logprobs(runner, prompt: list[int], cont: list[int]):
 
     seq = prompt + cont
     row = _row(runner, len(seq))
-    logits = runner.forward([WorkItem(row, 0, seq, list(range(len(prompt) - 1, len(seq) - 1)))])
+    logits = runner.forward([WorkItem(row, 0, seq, list(range(len(prompt) - 1, len(seq) - 1)))]).logits
     _free(runner, row, len(seq))
     return logits.float().log_softmax(-1)
 
@@ -258,7 +258,7 @@ def _breakdown(runner, ids: list[list[int]], ns) -> list[str]:
             t0 = time.perf_counter()
             runner.build_batch(items)
             t1 = time.perf_counter()
-            logits = runner.forward(items)
+            logits = runner.forward(items).logits
             t2 = time.perf_counter()
             sample(logits, [SampleRow(params, gen, [], [], [], False, 0) for _ in items])
             return t1 - t0, t2 - t1, time.perf_counter() - t2

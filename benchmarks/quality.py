@@ -44,7 +44,7 @@ def logprobs(runner, ids: list[int]) -> torch.Tensor:
     row = runner.req_to_token.alloc()
     runner.req_to_token.table[row, : len(ids)] = runner.allocator.alloc_pages(len(ids))
     try:
-        logits = runner.forward([WorkItem(row, 0, ids, list(range(len(ids) - 1)))])
+        logits = runner.forward([WorkItem(row, 0, ids, list(range(len(ids) - 1)))]).logits
     finally:
         runner.allocator.free(runner.req_to_token.table[row, : len(ids)].clone())
         runner.req_to_token.free(row)

@@ -142,7 +142,7 @@ def _features(args, seqs: list[tuple[list[int], int]], ns) -> dict:
     for seq, prompt_len in tqdm(seqs, desc="target features", unit="seq"):
         seq = seq[: ns.max_len]
         item = WorkItem(0, 0, seq, [len(seq) - 1], ForwardMode.EXTEND)
-        _, per_item = runner.forward([item], capture)
+        per_item = runner.forward([item], capture).features
         feats.append(per_item[0].to(torch.bfloat16))
         label = torch.tensor(seq[1:] + [-1], dtype=torch.int32)
         label[: max(0, prompt_len - 1)] = -1

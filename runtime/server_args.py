@@ -17,8 +17,35 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_HEAD = "SmolLM2-135M-Instruct-EAGLE3"
 
 
-def _arg(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+@dataclass(frozen=True)
+class Bound:
+    """The range a numeric field must lie in, declared beside it (None, for an optional field, is not checked)."""
+
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+
+    def holds(self, v: float) -> bool:
+        return ((self.low is None or (v > self.low if self.open_low else v >= self.low))
+                and (self.high is None or (v < self.high if self.open_high else v <= self.high)))
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.open_low else '>='} {self.low}"
+        return f"in {'(' if self.open_low else '['}{self.low}, {self.high}{')' if self.open_high else ']'}"
+
+
+def at_least(n: float) -> Bound:
+    return Bound(n)
+
+
+def above(n: float) -> Bound:
+    return Bound(n, open_low=True)
+
+
+def _arg(default: Any, help: str, choices: Sequence[str] | None = None, bound: Bound | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "bound": bound})
 
 
 @dataclass(frozen=True)
@@ -48,7 +75,7 @@ class ServerArgs:
         False, "batch-invariant kernels: the same request with the same seed gives the same tokens whatever shares "
         "its batch and whether its prefix came from the cache (slower prefill; needs the C kernels)")
     device: str = _arg("auto", "compute device (the CUDA path is not built yet: auto means cpu)", ["auto", "cpu"])
-    num_threads: int = _arg(0, "torch intra-op threads (0: torch's default)")
+    num_threads: int = _arg(0, "torch intra-op threads (0: torch's default)", bound=at_least(0))
     thread_policy: str = _arg("adaptive", "adaptive: decode steps use one thread fewer while that measures faster "
                               "(a busy core; README: Threads); fixed: always --num-threads", ["adaptive", "fixed"])
     disable_packed_weights: bool = _arg(
@@ -59,16 +86,16 @@ class ServerArgs:
         "(the same result)")
     context_length: int | None = _arg(None, "max tokens per sequence; default: the model's")
     max_total_tokens: int | None = _arg(None, "KV pool size in tokens; default: the model's context length or 256 "
-                                        "per --max-running-requests, whichever is more (README: Serving)")
-    mem_fraction_static: float = _arg(0.15, "the most of free memory the KV pool takes when its size is auto")
-    page_size: int = _arg(1, "tokens per KV page")
+                                        "per --max-running-requests, whichever is more (README: Serving)", bound=at_least(16))
+    mem_fraction_static: float = _arg(0.15, "the most of free memory the KV pool takes when its size is auto", bound=Bound(0, 1, open_low=True, open_high=True))
+    page_size: int = _arg(1, "tokens per KV page", bound=at_least(1))
     swa_full_tokens_ratio: float = _arg(0.5, "slots of sliding-window layers' KV as a share of the pool's tokens "
-                                        "(at least twice the window plus a prefill chunk)")
+                                        "(at least twice the window plus a prefill chunk)", bound=Bound(0, 1, open_low=True))
     disable_hybrid_swa_memory: bool = _arg(False, "keep every token's KV in sliding-window layers too, not only "
                                            "their window")
-    max_running_requests: int = _arg(64, "max requests decoding at once")
+    max_running_requests: int = _arg(64, "max requests decoding at once", bound=at_least(1))
     chunked_prefill_size: int = _arg(512, "max prompt tokens of one request per forward (-1 disables chunking)")
-    max_prefill_tokens: int = _arg(2048, "token budget of one prefill forward")
+    max_prefill_tokens: int = _arg(2048, "token budget of one prefill forward", bound=at_least(1))
     schedule_policy: str = _arg("lpm", "waiting-queue order", ["fcfs", "lpm"])
     disable_radix_cache: bool = _arg(False, "turn off prefix caching")
     random_seed: int = _arg(0, "seed for requests that give none")
@@ -83,10 +110,10 @@ class ServerArgs:
     json_key_order: str = _arg(
         "schema", "JSON-schema key order, unless a request sets json_key_order: schema (the schema's order) or "
         "any (any order, where the backend allows it: xgrammar)", list(JSON_KEY_ORDER))
-    grammar_cache_size: int = _arg(256, "compiled grammars kept (LRU)")
+    grammar_cache_size: int = _arg(256, "compiled grammars kept (LRU)", bound=at_least(1))
     grammar_compile_timeout: float = _arg(
         30.0, "seconds of compiling a grammar may take before its request fails (a 400; its compile worker is "
-        "killed); with auto, each backend but the last gets at most half of what is left")
+        "killed); with auto, each backend but the last gets at most half of what is left", bound=above(0))
     disable_jump_forward: bool = _arg(False, "sample every token even where the grammar allows only one continuation")
     disable_json_narrowing: bool = _arg(
         False, "refuse (a 400) a JSON schema keyword no backend enforces exactly, instead of enforcing a stricter "
@@ -105,7 +132,7 @@ class ServerArgs:
         ["auto", "none", *REASONING_PARSERS])
     jump_forward_token_budget: int = _arg(
         12, "jump-forward drafts may grow a decode forward up to this many tokens (beyond about 10 rows a "
-            "float32 forward on 2 CPU cores is compute-bound and drafts stop paying; raise it on GPUs)")
+            "float32 forward on 2 CPU cores is compute-bound and drafts stop paying; raise it on GPUs)", bound=at_least(0))
     speculative_algorithm: str | None = _arg(
         None, "speculative decoding (README: Speculative decoding): EAGLE / EAGLE3 draft with a small head over the "
         "target's hidden states (--speculative-draft-model-path; the default model has one shipped); NGRAM drafts "
@@ -118,30 +145,30 @@ class ServerArgs:
         "shipped for the default model). STANDALONE: the draft model (a GGUF file, an HF folder or a packaged "
         "model's name), of the target's vocabulary")
     speculative_num_steps: int | None = _arg(
-        None, "EAGLE: most draft steps per verify (default: --speculative-num-draft-tokens - 1)")
+        None, "EAGLE: most draft steps per verify (default: --speculative-num-draft-tokens - 1)", bound=at_least(1))
     speculative_eagle_topk: int = _arg(
         1, "EAGLE: candidates expanded per draft step (1: a chain; more: a tree of --speculative-num-draft-tokens - 1 "
-        "nodes, verified in one forward; requests under a grammar draft chains)")
+        "nodes, verified in one forward; requests under a grammar draft chains)", bound=at_least(1))
     speculative_num_draft_tokens: int = _arg(
-        8, "tokens one speculative step verifies, the last sampled one included (so up to this - 1 draft tokens)")
-    speculative_ngram_min_match_window_size: int = _arg(1, "NGRAM: shortest suffix of the sequence looked up")
+        8, "tokens one speculative step verifies, the last sampled one included (so up to this - 1 draft tokens)", bound=at_least(2))
+    speculative_ngram_min_match_window_size: int = _arg(1, "NGRAM: shortest suffix of the sequence looked up", bound=at_least(1))
     speculative_ngram_max_match_window_size: int = _arg(4, "NGRAM: longest suffix looked up (the longest match wins)")
-    speculative_suffix_max_depth: int = _arg(64, "SUFFIX: longest match of the sequence's last tokens looked for")
+    speculative_suffix_max_depth: int = _arg(64, "SUFFIX: longest match of the sequence's last tokens looked for", bound=at_least(2))
     speculative_suffix_max_spec_factor: float = _arg(
-        1.0, "SUFFIX: a draft is at most this many times as long as its match")
+        1.0, "SUFFIX: a draft is at most this many times as long as its match", bound=above(0))
     speculative_suffix_min_token_prob: float = _arg(
         0.1, "SUFFIX: a draft stops where its next token's estimated probability (how often that continuation "
-        "followed the match, multiplied along the draft) falls below this")
+        "followed the match, multiplied along the draft) falls below this", bound=Bound(0, 1))
     speculative_suffix_max_cached_requests: int = _arg(
         1000, "SUFFIX: earlier requests' outputs kept to draft from (the least recently matched dropped first; 0: "
-        "only the request's own tokens)")
+        "only the request's own tokens)", bound=at_least(0))
     speculative_draft_vocab_size: int = _arg(
         32768, "STANDALONE: the draft model's LM head keeps the first this many token ids and the stop tokens (BPE "
         "numbers tokens roughly by frequency: the rare tail is seldom drafted, yet a large vocabulary's head is a "
-        "third of a small draft model's step); 0: the whole vocabulary")
+        "third of a small draft model's step); 0: the whole vocabulary", bound=at_least(0))
     speculative_token_budget: int = _arg(
         12, "speculative drafts may grow a forward up to this many rows, less one per running request (past ~10 "
-        "rows a CPU forward is compute-bound, so a busy batch drafts nothing; raise it on GPUs)")
+        "rows a CPU forward is compute-bound, so a busy batch drafts nothing; raise it on GPUs)", bound=at_least(0))
     speculative_draft_policy: str = _arg(
         "measured", "measured: per request, the draft length that maximises expected tokens per second from the "
         "measured forward cost by row count and the request's acceptance (README: Speculative decoding); fixed: "
@@ -150,13 +177,13 @@ class ServerArgs:
     # ---- parallelism (README: Parallelism) ----
     tp_size: int = _arg(1, "tensor parallelism: ranks one model is split across (KV heads, MLP rows, vocabulary; "
                            "gloo, shared memory within one machine), one process each; rank 0 schedules and "
-                           "broadcasts each step's batch")
+                           "broadcasts each step's batch", bound=at_least(1))
     ep_size: int = _arg(1, "expert parallelism for MoE models: ranks the experts are partitioned across, tokens "
                            "exchanged with all-to-all; the same ranks split attention as --tp-size (so it must be 1 "
-                           "or equal --tp-size; given alone, it sets --tp-size)")
+                           "or equal --tp-size; given alone, it sets --tp-size)", bound=at_least(1))
     dp_size: int = _arg(1, "data parallelism: whole replicas (each of --tp-size ranks) behind this one server; each "
-                           "request goes to the replica with the fewest in flight")
-    nnodes: int = _arg(1, "machines one model's ranks span (each runs launch_server with its --node-rank)")
+                           "request goes to the replica with the fewest in flight", bound=at_least(1))
+    nnodes: int = _arg(1, "machines one model's ranks span (each runs launch_server with its --node-rank)", bound=at_least(1))
     node_rank: int = _arg(0, "this machine's index among --nnodes: 0 serves HTTP and rank 0; others run their ranks")
     dist_init_addr: str | None = _arg(None, "host:port where rank 0 meets the other ranks (needed with --nnodes > 1); "
                                             "default: a free loopback port")
@@ -165,7 +192,7 @@ class ServerArgs:
     log_level: str = _arg("info", "logging level", ["debug", "info", "warning", "error"])
     # ---- serving ----
     host: str = _arg("127.0.0.1", "HTTP bind address")
-    port: int = _arg(30000, "HTTP port")
+    port: int = _arg(30000, "HTTP port", bound=Bound(0, 65536, open_high=True))
     api_key: str | None = _arg(
         None, "require 'Authorization: Bearer <key>' on every endpoint but /health (visible in the process list: "
         "prefer --api-key-file or the PLAIT_API_KEY environment variable)")
@@ -177,101 +204,46 @@ class ServerArgs:
         None, "comma-separated browser origins allowed to call the API ('*': any); default: none, so a web page "
         "elsewhere cannot drive the server")
     shutdown_timeout: float = _arg(30.0, "on SIGTERM, seconds in-flight requests may take to finish before they are "
-                                         "ended with an error")
+                                         "ended with an error", bound=at_least(0))
     header_timeout: float = _arg(10.0, "seconds a client has to send a request's headers (from its first byte, or "
-                                       "from connecting); later gets 408 and the connection closed")
+                                       "from connecting); later gets 408 and the connection closed", bound=above(0))
     body_timeout: float = _arg(60.0, "seconds a client has to send a request's body once its headers are in; later "
-                                     "gets 408 and the connection closed")
-    keep_alive_timeout: float = _arg(5.0, "seconds an idle keep-alive connection stays open between requests")
-    max_connections: int = _arg(1000, "open HTTP connections at once; one more gets 503 and is closed")
+                                     "gets 408 and the connection closed", bound=above(0))
+    keep_alive_timeout: float = _arg(5.0, "seconds an idle keep-alive connection stays open between requests", bound=above(0))
+    max_connections: int = _arg(1000, "open HTTP connections at once; one more gets 503 and is closed", bound=at_least(1))
     served_model_name: str | None = _arg(None, "model name in the OpenAI API; default: the model file's name")
-    max_queued_requests: int = _arg(-1, "requests allowed to wait beyond max_running_requests; more get 429 (-1: no limit)")
+    max_queued_requests: int = _arg(-1, "requests allowed to wait beyond max_running_requests; more get 429 (-1: no limit)", bound=at_least(-1))
     max_request_bytes: int = _arg(32 * 2**20, "largest accepted HTTP request body; larger get 413")
     # ---- the work one request may ask for (each refusal is a 400 naming the limit) ----
-    max_sequences_per_request: int = _arg(128, "sequences one request may start (prompts x n)")
-    max_new_tokens_per_request: int = _arg(2**20, "sum of max_new_tokens over one request's sequences")
-    max_stop_strings: int = _arg(32, "stop strings per request")
-    max_stop_string_length: int = _arg(256, "characters per stop string")
-    max_top_logprobs: int = _arg(20, "top_logprobs_num / top_logprobs / logprobs per token")
+    max_sequences_per_request: int = _arg(128, "sequences one request may start (prompts x n)", bound=at_least(1))
+    max_new_tokens_per_request: int = _arg(2**20, "sum of max_new_tokens over one request's sequences", bound=at_least(1))
+    max_stop_strings: int = _arg(32, "stop strings per request", bound=at_least(1))
+    max_stop_string_length: int = _arg(256, "characters per stop string", bound=at_least(1))
+    max_top_logprobs: int = _arg(20, "top_logprobs_num / top_logprobs / logprobs per token", bound=at_least(0))
     enable_metrics: bool = _arg(False, "serve Prometheus metrics at /metrics")
 
     def __post_init__(self) -> None:
         _check_model_path(self.model_path)
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if not 0 < self.swa_full_tokens_ratio <= 1:
-            raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
-        if self.max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        if not 0 < self.mem_fraction_static < 1:
-            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        if self.max_total_tokens is not None and self.max_total_tokens < 16:
-            raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        for f in dataclasses.fields(self):
+            value, choices, bound = getattr(self, f.name), f.metadata.get("choices"), f.metadata.get("bound")
+            if choices and value not in choices:
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
+            if bound is not None and value is not None and not bound.holds(value):
+                raise ValueError(f"{f.name} must be {bound}, got {value!r}")
+        # what a field's bound cannot say: fields that constrain each other
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise ValueError(f"chunked_prefill_size must be > 0 or -1, got {self.chunked_prefill_size}")
-        if self.max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
-        if self.max_queued_requests < -1:
-            raise ValueError(f"max_queued_requests must be >= -1, got {self.max_queued_requests}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        if self.grammar_compile_timeout <= 0:
-            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
-        if self.jump_forward_token_budget < 0:
-            raise ValueError(f"jump_forward_token_budget must be >= 0, got {self.jump_forward_token_budget}")
-        if self.speculative_num_draft_tokens < 2:
-            raise ValueError(f"speculative_num_draft_tokens must be >= 2, got {self.speculative_num_draft_tokens}")
-        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
-            raise ValueError("need 1 <= speculative_ngram_min_match_window_size <= speculative_ngram_max_match_"
-                             f"window_size, got {self.speculative_ngram_min_match_window_size} and "
+        if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
+            raise ValueError("need speculative_ngram_min_match_window_size <= speculative_ngram_max_match_window_"
+                             f"size, got {self.speculative_ngram_min_match_window_size} and "
                              f"{self.speculative_ngram_max_match_window_size}")
-        if self.speculative_num_steps is not None and self.speculative_num_steps < 1:
-            raise ValueError(f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}")
-        if self.speculative_eagle_topk < 1:
-            raise ValueError(f"speculative_eagle_topk must be >= 1, got {self.speculative_eagle_topk}")
         if self.speculative_eagle_topk > 1 and self.page_size != 1:
             raise ValueError("speculative_eagle_topk > 1 (draft trees) needs page_size 1: a verified path's KV slots "
                              "are reordered into position order")
         if self.speculative_draft_model_path is not None and not self._draft_model():
             raise ValueError("speculative_draft_model_path needs a speculative_algorithm that takes a draft model: "
                              + ", ".join(k for k, a in ALGORITHMS.items() if a.draft_model))
-        if self.speculative_suffix_max_depth < 2:
-            raise ValueError(f"speculative_suffix_max_depth must be >= 2, got {self.speculative_suffix_max_depth}")
-        if self.speculative_suffix_max_spec_factor <= 0:
-            raise ValueError("speculative_suffix_max_spec_factor must be > 0, got "
-                             f"{self.speculative_suffix_max_spec_factor}")
-        if not 0 <= self.speculative_suffix_min_token_prob <= 1:
-            raise ValueError("speculative_suffix_min_token_prob must be in [0, 1], got "
-                             f"{self.speculative_suffix_min_token_prob}")
-        if self.speculative_suffix_max_cached_requests < 0:
-            raise ValueError("speculative_suffix_max_cached_requests must be >= 0, got "
-                             f"{self.speculative_suffix_max_cached_requests}")
-        if self.speculative_draft_vocab_size < 0:
-            raise ValueError(f"speculative_draft_vocab_size must be >= 0, got {self.speculative_draft_vocab_size}")
-        if self.speculative_token_budget < 0:
-            raise ValueError(f"speculative_token_budget must be >= 0, got {self.speculative_token_budget}")
-        if self.grammar_cache_size < 1:
-            raise ValueError(f"grammar_cache_size must be >= 1, got {self.grammar_cache_size}")
-        for name in ("max_sequences_per_request", "max_new_tokens_per_request", "max_stop_strings",
-                     "max_stop_string_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_top_logprobs < 0:
-            raise ValueError(f"max_top_logprobs must be >= 0, got {self.max_top_logprobs}")
-        for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
-        if self.num_threads < 0:
-            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         self._check_parallel()
-        for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
 
     def local_ranks(self) -> int:
         """Runtime processes running forwards on this machine (each a rank of a replica)."""
@@ -323,9 +295,6 @@ class ServerArgs:
         return algorithm.draft_model if algorithm is not None else None
 
     def _check_parallel(self) -> None:
-        for name in ("tp_size", "ep_size", "dp_size", "nnodes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.ep_size > 1 and self.tp_size not in (1, self.ep_size):
             raise ValueError(f"ep_size {self.ep_size} must equal tp_size (got {self.tp_size}): the experts are "
                              "partitioned across the tensor-parallel ranks")

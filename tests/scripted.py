@@ -18,7 +18,8 @@ import torch
 
 from plait.radix_cache.memory_pool import KVAllocator, ReqToTokenPool
 from plait.runtime.ipc.messages import TokenizedGenerateReq
-from plait.runtime.model_executor.model_runner import WorkItem, tree_depths
+from plait.runtime.forward.batch import tree_depths
+from plait.runtime.model_executor.model_runner import ForwardOutput, WorkItem
 from plait.runtime.sampling import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler
 from plait.runtime.server_args import ServerArgs
@@ -64,15 +65,15 @@ class ScriptedRunner:
         self.allocator = KVAllocator(num_slots, page_size)
         self.req_to_token = ReqToTokenPool(max_running_requests + 8, context_length + 1)
         self.kv_window = 0
-        self.kv_pool = SimpleNamespace(nbytes=0)
-        self.model = SimpleNamespace(parameters=lambda: iter(()), graph=None)
-        self.kernels: dict[str, str] = {}
-        self.weight_formats: tuple[str, ...] = ()
+        self.weight_bytes = 0
         self.slot_token = torch.full((num_slots,), -1, dtype=torch.int64)  # the "KV": each slot's token
         self.forwards: list[list[WorkItem]] = []  # every forward's items, for tests of what ran together
         self.fail_next: Exception | None = None  # raised by the next forward (a runner fault)
 
-    def forward(self, items: list[WorkItem], capture: tuple[int, ...] = ()) -> torch.Tensor:
+    def describe(self) -> dict:
+        return {}
+
+    def forward(self, items: list[WorkItem], capture: tuple[int, ...] = ()) -> ForwardOutput:
         if capture:
             raise NotImplementedError("the scripted runner has no features to capture (EAGLE)")
         if self.fail_next is not None:
@@ -87,7 +88,7 @@ class ScriptedRunner:
             self.slot_token[slots] = torch.tensor(it.tokens, dtype=torch.int64)
             for off in it.logit_offsets:
                 rows.append(self._logits(self._context(row, it, off)))
-        return torch.stack(rows) if rows else torch.zeros(0, self.config.vocab_size)
+        return ForwardOutput(torch.stack(rows) if rows else torch.zeros(0, self.config.vocab_size))
 
     def _context(self, row: torch.Tensor, it: WorkItem, off: int) -> tuple[int, ...]:
         """The tokens position `off` of the item attends to, read back from the KV slots."""

@@ -48,7 +48,7 @@ def _decode(runner: ModelRunner, prompts: list[list[int]], steps: int, stack: bo
         out = []
         for s in range(steps):
             items = [WorkItem(row, n + s, [rng.randrange(100)], [0], ForwardMode.DECODE) for row, n in rows]
-            out.append(runner.forward(items))
+            out.append(runner.forward(items).logits)
         return torch.stack(out)
     finally:
         runner.model.graph = saved
@@ -174,7 +174,7 @@ def _verify(runner: ModelRunner, prompt: list[int], tokens: list[int], tree: lis
             runner.forward([WorkItem(row, 0, p, [len(p) - 1])])
             items.append(WorkItem(row, len(p), toks, list(range(len(toks))), mode,
                                   tree if mode is ForwardMode.TARGET_VERIFY else None))
-        return runner.forward(items)
+        return runner.forward(items).logits
     finally:
         runner.model.graph = saved
         for row, n in rows:
@@ -197,7 +197,7 @@ def test_verify_steps_run_through_the_stack():
     row = runner.req_to_token.alloc()
     runner.req_to_token.table[row, : len(prompt) + len(chain)] = runner.allocator.alloc_extend(-1, 0, len(prompt) + 5)
     runner.forward([WorkItem(row, 0, prompt, [len(prompt) - 1])])
-    steps = torch.cat([runner.forward([WorkItem(row, len(prompt) + i, [t], [0], ForwardMode.DECODE)])
+    steps = torch.cat([runner.forward([WorkItem(row, len(prompt) + i, [t], [0], ForwardMode.DECODE)]).logits
                        for i, t in enumerate(chain)])
     torch.testing.assert_close(verify, steps, rtol=0, atol=1e-4)
     # two children of the sampled token, one grandchild under each: the path 11, 2024, 305 is the chain's start

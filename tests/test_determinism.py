@@ -56,7 +56,7 @@ def test_logits_do_not_depend_on_chunking_batch_or_cache(runner):
     def alone(chunks: list[int]) -> torch.Tensor:
         seq, out, pos = _Seq(runner, ids), [], 0
         for c in chunks:
-            out.append(runner.forward([seq.item(pos, pos + c)]))
+            out.append(runner.forward([seq.item(pos, pos + c)]).logits)
             pos += c
         return torch.cat(out)
 
@@ -71,7 +71,7 @@ def test_logits_do_not_depend_on_chunking_batch_or_cache(runner):
     sharers = [_Seq(runner, ids[: n - 1] + [t], prefix=first, shared=n - 1) for t in tok.encode(" a b c")]
     stranger = _Seq(runner, other)
     logits = runner.forward([stranger.item(0, len(other)), first.item(n - 1, n, ForwardMode.DECODE)]
-                            + [s.item(n - 1, n, ForwardMode.DECODE) for s in sharers])
+                            + [s.item(n - 1, n, ForwardMode.DECODE) for s in sharers]).logits
     assert torch.equal(logits[len(other)], whole[n - 1])
     batch, _ = runner.build_batch([first.item(n - 1, n, ForwardMode.DECODE)] + [s.item(n - 1, n, ForwardMode.DECODE) for s in sharers])
     assert batch.decode.prefix_slots is None  # no cascade split: its result would depend on the batch
@@ -88,7 +88,7 @@ def test_bfloat16_weights_track_transformers_float32(hf_model):
         ids = bf16.tokenizer.encode(text)
         with torch.no_grad():
             ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
-        ours = torch.log_softmax(bf16.forward([_Seq(bf16, ids).item(0, len(ids))]), -1)
+        ours = torch.log_softmax(bf16.forward([_Seq(bf16, ids).item(0, len(ids))]).logits, -1)
         top = ref.argmax(-1, keepdim=True)
         agree += int((ours.argmax(-1, keepdim=True) == top).sum())
         total += len(ids)

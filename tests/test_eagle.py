@@ -136,7 +136,8 @@ def test_captured_features_are_the_targets_hidden_states(runner, hf_model):
     n = len(ids)
     runner.req_to_token.table[0, :n] = torch.arange(n)
     aux = default_aux_layers(runner.config.num_layers)
-    logits, (feats,) = runner.forward([WorkItem(0, 0, ids, [n - 1], ForwardMode.EXTEND)], aux + (FINAL_HIDDEN,))
+    out = runner.forward([WorkItem(0, 0, ids, [n - 1], ForwardMode.EXTEND)], aux + (FINAL_HIDDEN,))
+    logits, (feats,) = out.logits, out.features
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids]), output_hidden_states=True)
     h = runner.config.hidden_size
@@ -166,7 +167,7 @@ def tiny_data(runner):
     for text in texts:
         ids = runner.tokenizer.encode(text)
         runner.req_to_token.table[0, : len(ids)] = torch.arange(len(ids))
-        _, (f,) = runner.forward([WorkItem(0, 0, ids, [len(ids) - 1], ForwardMode.EXTEND)], aux)
+        (f,) = runner.forward([WorkItem(0, 0, ids, [len(ids) - 1], ForwardMode.EXTEND)], aux).features
         tokens.append(torch.tensor(ids))
         feats.append(f.to(torch.bfloat16))
         labels.append(torch.tensor(ids[1:] + [-1], dtype=torch.int32))
@@ -276,7 +277,7 @@ def test_tree_verify_rows_see_their_ancestors_only(runner):
     table[1, : c + 1 + len(nodes)] = torch.arange(c + 1 + len(nodes))
     runner.forward([WorkItem(1, 0, ids[:c], [], ForwardMode.EXTEND)])
     tree = runner.forward([WorkItem(1, c, [ids[c]] + nodes, list(range(len(nodes) + 1)), ForwardMode.TARGET_VERIFY,
-                                    parents)])
+                                    parents)]).logits
     for i in range(-1, len(nodes)):
         path, node = [], i
         while node >= 0:
@@ -284,7 +285,7 @@ def test_tree_verify_rows_see_their_ancestors_only(runner):
             node = parents[node]
         seq = ids[: c + 1] + path
         table[2, : len(seq)] = torch.arange(1000, 1000 + len(seq))
-        ref = runner.forward([WorkItem(2, 0, seq, [len(seq) - 1], ForwardMode.EXTEND)])
+        ref = runner.forward([WorkItem(2, 0, seq, [len(seq) - 1], ForwardMode.EXTEND)]).logits
         torch.testing.assert_close(tree[i + 1], ref[0], atol=1e-3, rtol=1e-3)
 
 

@@ -51,7 +51,7 @@ def _plant_on(rid: str, attr_path: str, value=_boom, needs_grammar: bool = False
 
     def plant(sched: Scheduler) -> bool:
         req = _find(sched, rid)
-        if req is None or (needs_grammar and req.grammar is None) or req.output_len == 0:
+        if req is None or (needs_grammar and req.matcher is None) or req.output_len == 0:
             return False
         obj = req
         *parents, name = attr_path.split(".")
@@ -87,8 +87,8 @@ def test_a_fault_in_one_request_fails_it_alone(shared, fault):
     }[fault]
     plant = {
         "stop_check": _plant_on("victim", "check_finished"),
-        "grammar_accept": _plant_on("victim", "grammar.accept_token", needs_grammar=True),
-        "grammar_mask": _plant_on("victim", "grammar.fill_bitmask", needs_grammar=True),
+        "grammar_accept": _plant_on("victim", "constraint.matcher.accept_token", needs_grammar=True),
+        "grammar_mask": _plant_on("victim", "constraint.matcher.fill_bitmask", needs_grammar=True),
         # torch.rand(generator=...) raises inside the batched sample
         "sampler": _plant_on("victim", "generator", value=object()),
     }[fault]

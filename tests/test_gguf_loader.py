@@ -93,7 +93,7 @@ def test_gguf_quant_types_match_transformers(tmp_path, qtype):
     ids = torch.randint(0, 256, (24,)).tolist()
     row = runner.req_to_token.alloc()
     runner.req_to_token.table[row, :24] = runner.allocator.alloc_extend(-1, 0, 24)
-    ours = runner.forward([WorkItem(row, 0, ids, list(range(24)))])
+    ours = runner.forward([WorkItem(row, 0, ids, list(range(24)))]).logits
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert (ours - ref).abs().max().item() < 1e-3
@@ -210,7 +210,7 @@ def test_gguf_architectures_match_transformers(tmp_path, arch):
     ids = torch.randint(0, cfg.vocab_size, (40,)).tolist()
     row = runner.req_to_token.alloc()
     runner.req_to_token.table[row, :40] = runner.allocator.alloc_extend(-1, 0, 40)
-    ours = runner.forward([WorkItem(row, 0, ids, list(range(40)))])
+    ours = runner.forward([WorkItem(row, 0, ids, list(range(40)))]).logits
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert (ours - ref).abs().max().item() < 1e-3, arch

@@ -20,7 +20,7 @@ def _run(runner: ModelRunner, ids: list[int], chunks: list[int]) -> torch.Tensor
     runner.req_to_token.table[row, : len(ids)] = slots
     out, pos = [], 0
     for n in chunks:
-        out.append(runner.forward([WorkItem(row, pos, ids[pos : pos + n], list(range(n)))]))
+        out.append(runner.forward([WorkItem(row, pos, ids[pos : pos + n], list(range(n)))]).logits)
         pos += n
     runner.allocator.free(slots)
     runner.req_to_token.free(row)
@@ -156,7 +156,7 @@ def test_cascade_decode_over_a_shared_prefix_matches_transformers(runner, hf_mod
     runner.forward([WorkItem(r, len(prefix), t[:-1], []) for r, t in zip(rows, tails) if len(t) > 1])
     batch, _ = runner.build_batch([WorkItem(r, len(prefix) + len(t) - 1, t[-1:], [0], ForwardMode.DECODE) for r, t in zip(rows, tails)])
     assert batch.decode.prefix_slots is not None and len(batch.decode.prefix_slots) >= len(prefix)
-    logits = runner.forward([WorkItem(r, len(prefix) + len(t) - 1, t[-1:], [0], ForwardMode.DECODE) for r, t in zip(rows, tails)])
+    logits = runner.forward([WorkItem(r, len(prefix) + len(t) - 1, t[-1:], [0], ForwardMode.DECODE) for r, t in zip(rows, tails)]).logits
     for k in range(len(tails)):
         assert (logits[k] - refs[k]).abs().max().item() < TOL
     for row, own in zip(rows, owned):

@@ -69,7 +69,7 @@ def _run(runner: ModelRunner, ids: list[int], chunks: list[int]) -> torch.Tensor
     try:
         for n in chunks:
             offsets = [i for i in range(n) if pos + i in wanted]
-            out.append(runner.forward([WorkItem(row, pos, ids[pos : pos + n], offsets)]))
+            out.append(runner.forward([WorkItem(row, pos, ids[pos : pos + n], offsets)]).logits)
             pos += n
     finally:
         runner.allocator.free(slots)

@@ -267,7 +267,7 @@ def _logits(runner, ids: list[int]) -> torch.Tensor:
     slots = runner.allocator.alloc_pages(len(ids))
     runner.req_to_token.table[row, : len(ids)] = slots
     try:
-        return runner.forward([WorkItem(row, 0, ids, list(range(len(ids))))])
+        return runner.forward([WorkItem(row, 0, ids, list(range(len(ids))))]).logits
     finally:
         runner.allocator.free(slots)
         runner.req_to_token.free(row)
@@ -314,7 +314,7 @@ def test_quantized_batch_of_many_rows_matches_few(runners):
     runner.req_to_token.table[row, : len(ids)] = slots
     try:
         runner.forward([WorkItem(row, 0, ids[:-1], [])])
-        last = runner.forward([WorkItem(row, len(ids) - 1, ids[-1:], [0])])
+        last = runner.forward([WorkItem(row, len(ids) - 1, ids[-1:], [0])]).logits
     finally:
         runner.allocator.free(slots)
         runner.req_to_token.free(row)

@@ -104,7 +104,7 @@ def test_verification_samples_the_models_distribution(shape):
     (in a tree: the walk goes on into the child holding the pick): over many seeds, each emitted position
     follows the target's softmax given the tokens before it (chi-square, tiny vocabulary)."""
     from plait.runtime.sampling.params import SamplingParams
-    from plait.runtime.speculative.verify import walk_draft
+    from plait.runtime.speculative.verify import sampler_picks, walk
 
     vocab, temp = 5, 0.8
     rows = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 1.5, 0.2, 0.3, 0.9], [1.0, 1.0, 1.0, 0.0, 0.0],
@@ -116,10 +116,10 @@ def test_verification_samples_the_models_distribution(shape):
     first, second = [0] * vocab, {1: [0] * vocab, 2: [0] * vocab}
     trials = 6000
     for seed in range(trials):
-        req = SimpleNamespace(draft=draft, params=params, generator=torch.Generator().manual_seed(seed),
-                              output_ids=[7, 7] + draft, origin_input_ids=[3], return_logprob=False,
-                              top_logprobs_num=0)
-        path, tok, _ = walk_draft(req, rows[: len(draft) + 1], set(), parents)
+        req = SimpleNamespace(draft=SimpleNamespace(tokens=draft), params=params, output_ids=[7, 7],
+                              generator=torch.Generator().manual_seed(seed), origin_input_ids=[3],
+                              return_logprob=False, top_logprobs_num=0)
+        path, tok = walk(draft, parents, sampler_picks(req, rows[: len(draft) + 1], set(), []))
         emitted = [draft[i] for i in path] + [tok]
         first[emitted[0]] += 1
         if len(emitted) > 1:

@@ -24,6 +24,7 @@ import torch
 
 from plait.runtime.constrained.base import GrammarError, Matcher, token_texts
 from plait.runtime.constrained.bitmask import allocate_bitmask, allow_only, allowed_bits
+from plait.runtime.constrained.json_text import INSIDE, OPEN, OUTSIDE, StringScan
 
 # the search begins this many tokens before the budget ends (a longer completion is not looked for): a
 # document with several required values left (two date-times, an enum, a number) needs 50 tokens or more
@@ -218,25 +219,22 @@ class _Open:
         return self.depth + self.in_string
 
     def after(self, text: str) -> "_Open":
-        depth, in_string, escaped, chars = self.depth, self.in_string, self.escaped, self.chars
+        depth, chars = self.depth, self.chars
         kind = _kind(text)
-        repeats = self.repeats + 1 if in_string and kind == self.last else 1
+        repeats = self.repeats + 1 if self.in_string and kind == self.last else 1
+        scan = StringScan(self.in_string, self.escaped)
         for ch in text:
-            if in_string:
-                if escaped:
-                    escaped = False
-                elif ch == "\\":
-                    escaped = True
-                elif ch == '"':
-                    in_string = False
-                if in_string and len(chars) < _KEPT_CHARS:
+            role = scan.step(ch)
+            if role is INSIDE:
+                if len(chars) < _KEPT_CHARS:
                     chars += ch
-            elif ch == '"':
-                in_string, chars = True, ""
-            elif ch in "[{":
+            elif role is OPEN:
+                chars = ""
+            elif role is OUTSIDE and ch in "[{":
                 depth += 1
-            elif ch in "]}":
+            elif role is OUTSIDE and ch in "]}":
                 depth = max(0, depth - 1)
+        in_string, escaped = scan.in_string, scan.escaped
         kinds = ((self.kinds if self.in_string else frozenset()) | {kind}) if in_string else frozenset()
         return _Open(depth, in_string, escaped, repeats if in_string else 0, kind if in_string else "",
                      chars if in_string else "", kinds)

@@ -48,10 +48,3 @@ def allowed_prefix(matcher: Matcher, ids: list[int], before_end: bool = False) -
     matcher.rollback(accepted)
     return accepted
 
-
-def accepted_prefix(draft: list[int], chosen: list[int]) -> int:
-    """How many draft tokens the model agrees with (chosen[i] is its pick at draft position i)."""
-    m = 0
-    while m < len(draft) and chosen[m] == draft[m]:
-        m += 1
-    return m

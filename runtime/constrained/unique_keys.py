@@ -19,6 +19,7 @@ import torch
 
 from plait.runtime.constrained.base import Matcher
 from plait.runtime.constrained.bitmask import allowed_bits, clear_bits
+from plait.runtime.constrained.json_text import CLOSE, INSIDE, OPEN, StringScan
 
 
 @dataclass(frozen=True)
@@ -56,27 +57,21 @@ class _Objects:
 
     def after(self, text: str) -> "_Objects | None":
         """The state after `text`; None where it closes a key its object already holds."""
-        frames, in_string, in_key, escaped = self.frames, self.in_string, self.in_key, self.escaped
-        key_next, key = self.key_next, self.key
+        frames, in_key, key_next, key = self.frames, self.in_key, self.key_next, self.key
+        scan = StringScan(self.in_string, self.escaped)
         for ch in text:
-            if in_string:
-                if escaped:
-                    escaped = False
-                elif ch == "\\":
-                    escaped = True
-                elif ch == '"':
-                    in_string = False
-                    if in_key:
-                        name = _decoded(key)
-                        if name in frames[-1]:
-                            return None
-                        frames = frames[:-1] + (frames[-1] | {name},)
-                    continue
+            role = scan.step(ch)
+            if role is INSIDE:
                 if in_key:
                     key += ch
-            elif ch == '"':
-                in_string, in_key, key = True, key_next, ""
-                key_next = False
+            elif role is CLOSE:
+                if in_key:
+                    name = _decoded(key)
+                    if name in frames[-1]:
+                        return None
+                    frames = frames[:-1] + (frames[-1] | {name},)
+            elif role is OPEN:
+                in_key, key, key_next = key_next, "", False
             elif ch == "{":
                 frames, key_next = frames + (frozenset(),), True
             elif ch == "[":
@@ -87,7 +82,7 @@ class _Objects:
                 key_next = bool(frames) and frames[-1] is not None
             elif ch == ":":
                 key_next = False
-        return _Objects(frames, in_string, in_key, escaped, key_next, key)
+        return _Objects(frames, scan.in_string, in_key, scan.escaped, key_next, key)
 
 
 def _decoded(raw: str) -> str:

@@ -27,6 +27,14 @@ class ForwardMode(Enum):
     MIXED = "mixed"
 
 
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each node of a draft tree (1 below the sampled token); parents come before their children."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
 @dataclass
 class AttnGroup:
     """Attention metadata for one group of requests.

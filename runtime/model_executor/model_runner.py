@@ -15,7 +15,7 @@ from plait.radix_cache.memory_pool import KVAllocator, KVPool, ReqToTokenPool, W
 from plait.runtime.model_executor import step_sync
 from plait.runtime.model_executor.config import RunnerConfig
 from plait.runtime.distributed.group import SINGLE, Group
-from plait.runtime.forward.batch import ForwardBatch, ForwardMode, build_group
+from plait.runtime.forward.batch import ForwardBatch, ForwardMode, build_group, tree_depths
 from plait.runtime.model_executor.graph_runner import build_graph_runner
 from plait.runtime.model_executor.threads import ThreadGovernor, apply
 from plait.runtime.model_config import SLIDING
@@ -44,6 +44,12 @@ class WorkItem:
     # node that node i follows (-1: the sampled token). Node i sits at position cached_len + its depth and
     # attends to the keys before the sampled token, that token, its ancestors and itself
     tree: list[int] | None = None
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [rows, vocab] float32: the items' logit offsets, in item order then offset order
+    features: list[torch.Tensor] | None = None  # per item, [len(tokens), F]: the layers `capture` named
 
 
 class ModelRunner:
@@ -135,11 +141,10 @@ class ModelRunner:
         wanted = max(self.context_length, self.args.max_running_requests * AUTO_KV_TOKENS_PER_REQUEST)
         return max(1024, min(wanted, cap))
 
-    def forward(self, items: list[WorkItem], capture: tuple[int, ...] = ()
-                ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
-        """Run the items as one batch; returns float32 logits, one row per requested offset,
-        in item order then offset order. With `capture` (layer ids, see LlamaForCausalLM.forward), also
-        each item's features at all its tokens ([len(tokens), F] per item)."""
+    def forward(self, items: list[WorkItem], capture: tuple[int, ...] = ()) -> ForwardOutput:
+        """Run the items as one batch: float32 logits, one row per requested offset, in item order then offset
+        order; with `capture` (layer ids, see LlamaForCausalLM.forward), also each item's features at all its
+        tokens ([len(tokens), F] per item)."""
         fb, order = self.build_batch(items)
         if self.group.distributed:
             step_sync.send(self.group, step_sync.forward_msg(fb, capture))
@@ -148,15 +153,12 @@ class ModelRunner:
             apply(self.threads.threads() if timed else self.threads.current)
         start = time.perf_counter()
         with fb.active():
-            out = self.model(self.kv_pool, capture)
+            logits, features = self.model(self.kv_pool, capture)
         if timed:
             self.threads.record(time.perf_counter() - start, fb.num_tokens)
-        logits, features = out if capture else (out, None)
         # logits came out in extend-then-decode order; put them back in item order
         logits = logits if order is None else logits[order]
-        if features is None:
-            return logits
-        return logits, self._per_item(items, features)
+        return ForwardOutput(logits, None if features is None else self._per_item(items, features))
 
     @staticmethod
     def _per_item(items: list[WorkItem], flat: torch.Tensor) -> list[torch.Tensor]:
@@ -168,6 +170,20 @@ class ModelRunner:
             out[i] = flat[start : start + n]
             start += n
         return out
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def describe(self) -> dict:
+        """What the runner adds to the scheduler's stats."""
+        return {
+            "kv_bytes": self.kv_pool.nbytes,
+            "kernels": self.kernels,
+            "weight_formats": self.weight_formats,
+            # decode steps of few rows run the layer stack as one C call (kernels/cpu_decode.py), else the loop
+            "decode_stack": self.model.graph.name if self.model.graph is not None else "loop",
+        }
 
     def copy_kv(self, src: torch.Tensor, dst: torch.Tensor, shift: torch.Tensor) -> None:
         """Copy the KV of slots `src` to slots `dst`, its keys moved on by `shift` positions (a KV join)."""
@@ -289,14 +305,6 @@ def _release_freed_memory() -> None:
     if lib is not None:
         lib.malloc_trim(0)
         lib.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
-
-
-def tree_depths(parents: list[int]) -> list[int]:
-    """Depth of each draft node (1 below the sampled token); parents come before their children."""
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return depths
 
 
 def _tree_rows(g, items: list[WorkItem], table: torch.Tensor) -> None:

@@ -294,10 +294,11 @@ class LlamaForCausalLM(nn.Module):
             m.finish_loading()
 
     @torch.inference_mode()
-    def forward(self, pool: KVPool, capture: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Logits (float32) at the active batch's `logits_rows`. With `capture` (layer ids; FINAL_HIDDEN for
-        the last hidden state after the final norm), also the features a draft head reads, at every token:
-        [T, len(capture) * H], each layer's output (the residual stream after it) in `capture`'s order."""
+    def forward(self, pool: KVPool, capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, features): logits (float32) at the active batch's `logits_rows`; with `capture` (layer ids;
+        FINAL_HIDDEN for the last hidden state after the final norm), the features a draft head reads, at every
+        token: [T, len(capture) * H], each layer's output (the residual stream after it) in `capture`'s order
+        (else None)."""
         fb = current_batch()
         x = self.embed.embed(fb.input_ids).to(self.compute_dtype)
         if self.cfg.embed_scale != 1.0:
@@ -321,9 +322,7 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head(rms_norm(x[fb.logits_rows], self.norm, self.cfg.rms_norm_eps), fb.batch_invariant).float()
         if self.cfg.final_softcap:
             logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
-        if not capture:
-            return logits
-        return logits, torch.cat([taken[i].float() for i in capture], dim=-1)
+        return logits, torch.cat([taken[i].float() for i in capture], dim=-1) if capture else None
 
     def weight_loaders(self) -> dict[str, WeightLoader]:
         """HF tensor name -> the loader that puts it in place (the strict loader needs every one once)."""

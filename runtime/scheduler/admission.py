@@ -12,13 +12,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from plait.radix_cache.radix_cache import common_prefix_len
+from plait.runtime.forward.batch import ForwardMode
 from plait.runtime.ipc.messages import FinishReason
 from plait.runtime.narrow_config import NarrowConfig
 from plait.runtime.scheduler.kv_manager import KVManager
 from plait.runtime.scheduler.policy import fair_order, order_waiting
 from plait.runtime.scheduler.req import Req
+from plait.runtime.scheduler.step import Work
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +34,6 @@ _IN_BATCH_SHARE = 32
 # the most of a request's remaining decode budget that admission reserves room for
 _RESERVE_CAP = 4096
 
-Batch = list[tuple[Req, int]]  # (request, tokens it feeds this forward)
-
 
 @dataclass(frozen=True)
 class AdmissionConfig(NarrowConfig):
@@ -43,11 +44,13 @@ class AdmissionConfig(NarrowConfig):
 
 
 class Admission:
-    """Owns the queues: `waiting` (not holding KV) and `running` (admitted, prefilling or decoding)."""
+    """Owns the queues: `waiting` (not holding KV) and `running` (admitted, prefilling or decoding).
+    `on_retract(req)` drops what a retracted request had planned beyond its KV (its draft)."""
 
-    def __init__(self, config: AdmissionConfig, kv: KVManager):
+    def __init__(self, config: AdmissionConfig, kv: KVManager, on_retract: Callable[[Req], None]):
         self.config = config
         self.kv = kv
+        self.on_retract = on_retract
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.new_token_ratio = _RATIO_INIT
@@ -59,14 +62,14 @@ class Admission:
             self.retract(self.running[-1])
             return
         req = self.running[0] if self.running else self.waiting[0]
-        req.finish = FinishReason("abort", message="request does not fit the KV cache")
+        req.end(FinishReason("abort", message="request does not fit the KV cache"))
 
     def stepped(self) -> None:
         """A forward ran: reserve a little less for running requests next time (a retraction resets it)."""
         self.new_token_ratio = max(_RATIO_MIN, self.new_token_ratio - _RATIO_DECAY)
 
     def retract(self, req: Req) -> None:
-        req.drop_draft()
+        self.on_retract(req)
         self.kv.release(req)  # its computed tokens stay in the cache: resuming is cheap
         self.running.remove(req)
         self.waiting.insert(0, req)
@@ -75,49 +78,51 @@ class Admission:
         self.new_token_ratio = _RATIO_INIT
         logger.debug("retracted %s at %d tokens", req.rid, req.seq_len)
 
-    def reserve_decode(self) -> Batch:
+    def reserve_decode(self) -> list[Work]:
         """One slot for every decoding request, retracting the newest ones while short (a request that cannot
         grow at all finishes: reap it before `admit`)."""
         decoding = [r for r in self.running if r.pending_len == 1]
-        out: Batch = []
+        out: list[Work] = []
         while decoding:
             req = decoding.pop(0)
             while not self.kv.reserve(req, 1):
                 victim = self._pick_victim(exclude=req)
                 if victim is None:  # nothing left to retract: this request cannot grow
-                    req.finish = FinishReason("length", message="KV cache is full")
+                    req.end(FinishReason("length", message="KV cache is full"))
                     break
                 if victim in decoding:
                     decoding.remove(victim)
-                out = [(r, n) for r, n in out if r is not victim]
+                out = [w for w in out if w.req is not victim]
                 self.retract(victim)
             if req.finish is None:
-                out.append((req, 1))
+                out.append(Work(req, 1, ForwardMode.DECODE))
         return out
 
     def _pick_victim(self, exclude: Req) -> Req | None:
         candidates = [r for r in self.running if r is not exclude and r.finish is None]
         return candidates[-1] if candidates else None
 
-    def _continue_prefills(self, budget: int, chunk_cap: int) -> Batch:
-        out: Batch = []
+    def _continue_prefills(self, budget: int, chunk_cap: int) -> list[Work]:
+        """The next chunks of admitted requests still prefilling, and the drafts to verify (each whole)."""
+        out: list[Work] = []
         for req in self.running:
             if req.pending_len > 1 and budget > 0:
                 n = min(req.pending_len, chunk_cap, budget)
-                if req.draft and n < req.pending_len:
+                verify = bool(req.draft.tokens)
+                if verify and n < req.pending_len:
                     continue  # a draft is verified in one forward
                 if not self.kv.reserve(req, n):
                     break
-                out.append((req, n))
+                out.append(Work(req, n, ForwardMode.TARGET_VERIFY if verify else ForwardMode.EXTEND))
                 budget -= n
         return out
 
-    def admit(self, budget: int) -> Batch:
-        """Prefill chunks for requests already prefilling, then for newly admitted ones."""
+    def admit(self, budget: int) -> list[Work]:
+        """Prefill chunks (and drafts) for requests already admitted, then chunks of newly admitted ones."""
         cfg = self.config
         chunk_cap = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else 1 << 30
         out = self._continue_prefills(budget, chunk_cap)
-        budget -= sum(n for _, n in out)
+        budget -= sum(w.n for w in out)
         if budget <= 0 or not self.waiting:
             return out
         ordered = fair_order(order_waiting(self.waiting, cfg.schedule_policy, self.kv), self.running)
@@ -143,7 +148,7 @@ class Admission:
                 break
             self._start(req)
             admitted.append(req)
-            out.append((req, n))
+            out.append(Work(req, n, ForwardMode.EXTEND))
             budget -= n
             reserved += future
         return out

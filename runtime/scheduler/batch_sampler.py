@@ -16,7 +16,7 @@ def sample_rows(reqs: list[Req], eos_ids: set[int]) -> list[SampleRow]:
     for req in reqs:
         p = req.params
         banned = []
-        if req.output_len < p.min_new_tokens and req.grammar is None:  # a grammar decides where it ends
+        if req.output_len < p.min_new_tokens and req.matcher is None:  # a grammar decides where it ends
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_ids))
         rows.append(SampleRow(p, req.generator, req.output_ids, req.origin_input_ids, banned,
                               req.return_logprob, req.top_logprobs_num if req.return_logprob else 0))

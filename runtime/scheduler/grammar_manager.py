@@ -18,7 +18,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from plait.runtime.constrained import GrammarCache, GrammarError, JsonStyle, Matcher, create_backend
@@ -28,13 +28,14 @@ from plait.runtime.constrained.bitmask import allocate_bitmask, apply_token_bitm
 from plait.runtime.constrained.closing import (CLOSE_WINDOW, CloseVocab, ClosingMatcher, plan_close,
                                                 required_prefixes, still_holds)
 from plait.runtime.constrained.compile_worker import IsolatedCompiler, WorkerConfig
-from plait.runtime.constrained.jump_forward import accepted_prefix, allowed_prefix, plan_draft
+from plait.runtime.constrained.jump_forward import allowed_prefix, plan_draft
 from plait.runtime.constrained.unique_keys import KeyVocab, UniqueKeys
 from plait.runtime.ipc.messages import GRAMMAR_CLOSED, GRAMMAR_CUT, FinishReason
 from plait.runtime.narrow_config import NarrowConfig
 from plait.runtime.sampling import SampleRow, sample
 from plait.runtime.scheduler.faults import fail_request
 from plait.runtime.scheduler.req import Req
+from plait.runtime.speculative.verify import Pick, walk
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,20 @@ _RETRY_EVERY = 4  # tokens between searches while none has found a completion th
 _CLOSE_MARGIN = 4
 _SHORT_WINDOW = 48  # the least close_window
 
-# bitmask rows of one step: (bitmask, {id(req): first row}); a drafting request has 1 + len(draft) rows
-Masks = tuple[torch.Tensor, dict[int, int]]
+
+
+@dataclass
+class Masks:
+    """One step's token bitmasks: each masked request's first row (a drafting request has 1 + len(draft) rows)."""
+
+    bitmask: torch.Tensor
+    first: dict[Req, int] = field(default_factory=dict)
+
+    def __contains__(self, req: Req) -> bool:
+        return req in self.first
+
+    def rows(self, req: Req, n: int = 1) -> torch.Tensor:
+        return self.bitmask[self.first[req] : self.first[req] + n]
 
 
 def close_window(req: Req) -> int:
@@ -111,7 +124,7 @@ class GrammarManager:
         return self._lazy_close_vocab.get() if self._lazy_close_vocab is not None else None
 
     # ---- compile ---------------------------------------------------------------------------
-    def begin_step(self, running: int) -> None:
+    def set_budget(self, running: int) -> None:
         """The forced text (jump-forward) the drafts planned after this step's forward may add, in all: the rows
         --jump-forward-token-budget leaves beside the running requests."""
         self.draft_budget = max(0, self.args.jump_forward_token_budget - running)
@@ -126,30 +139,29 @@ class GrammarManager:
         p = req.params
         style = JsonStyle(p.json_whitespace or self.args.json_whitespace, p.json_key_order or self.args.json_key_order,
                           not self.args.disable_json_narrowing)
-        req.grammar_compile = self.cache.get(kind, text, style)
+        req.constraint.compile = self.cache.get(kind, text, style)
         self.compiling.append(req)
 
     def poll(self) -> list[Req]:
         """Requests leaving the compile queue: ready, or finished with the reason they failed."""
         out = []
         for req in list(self.compiling):
-            fut = req.grammar_compile.future
+            fut = req.constraint.compile.future
             if req.finish is not None:
                 pass  # aborted while compiling
             elif fut.done():
                 err = fut.exception()
                 if err is None:
                     compiled = fut.result()
-                    req.grammar = self._matcher(req, compiled)
-                    req.grammar_backend = compiled.backend
-                    req.grammar_narrowed = list(compiled.narrowed)
+                    c = req.constraint
+                    c.matcher, c.backend, c.narrowed = self._matcher(req, compiled), compiled.backend, list(compiled.narrowed)
                 else:
                     msg = str(err) if isinstance(err, GrammarError) else f"grammar compile failed: {err!r}"
-                    req.finish = FinishReason("abort", message=msg, status=400)
+                    req.end(FinishReason("abort", message=msg, status=400))
             else:  # not done yet: its compile ends by --grammar-compile-timeout (the worker is killed then)
                 continue
             self.compiling.remove(req)
-            req.grammar_compile = None
+            req.constraint.compile = None
             out.append(req)
         return out
 
@@ -165,33 +177,33 @@ class GrammarManager:
         return UniqueKeys(matcher, self._key_vocab)
 
     def wait(self, timeout: float = 0.005) -> None:
-        wait_futures([r.grammar_compile.future for r in self.compiling], timeout=timeout, return_when="FIRST_COMPLETED")
+        wait_futures([r.constraint.compile.future for r in self.compiling], timeout=timeout, return_when="FIRST_COMPLETED")
 
     # ---- masks -----------------------------------------------------------------------------
     def start_masks(self, sampling: list[Req]) -> Future | None:
         """Fill the masks of the constrained requests among `sampling` on the worker thread (the
         forward runs meanwhile). A drafting request gets one row per draft position, its
         matcher stepping through the draft; `verify` rolls back what the model rejects."""
-        reqs = [r for r in sampling if r.grammar is not None and not self.lazy(r)]
+        reqs = [r for r in sampling if r.matcher is not None and not self.lazy(r)]
         if not reqs:
             return None
 
         def fill() -> Masks:
             first, n = {}, 0
             for r in reqs:
-                first[id(r)] = n
-                n += 1 + len(r.draft)
+                first[r] = n
+                n += 1 + len(r.draft.tokens)
             bitmask = allocate_bitmask(n, self.vocab_size)
             for r in reqs:
-                row = first[id(r)]
+                row = first[r]
                 try:
-                    r.grammar.fill_bitmask(bitmask, row)
-                    for i, t in enumerate(r.draft):
-                        r.grammar.accept_token(t)  # checked when the draft was planned
-                        r.grammar.fill_bitmask(bitmask, row + 1 + i)
+                    r.matcher.fill_bitmask(bitmask, row)
+                    for i, t in enumerate(r.draft.tokens):
+                        r.matcher.accept_token(t)  # checked when the draft was planned
+                        r.matcher.fill_bitmask(bitmask, row + 1 + i)
                 except Exception as e:  # noqa: BLE001 - fails this request alone (the scheduler reports it)
                     self._faults.append((r, e))
-            return bitmask, first
+            return Masks(bitmask, first)
 
         return self._pool.submit(fill)
 
@@ -216,15 +228,14 @@ class GrammarManager:
         grammar rejects one, fill that mask now and sample the row again. Returns the indices whose
         token the matcher has accepted (on_token then skips accepting it). A request whose matcher
         raises fails alone (faults.py) and the others go on."""
-        first = masks[1] if masks is not None else {}
         accepted = set()
         for k, req in enumerate(reqs):
-            if req.grammar is None or id(req) in first or req.finish is not None:
+            if req.matcher is None or (masks is not None and req in masks) or req.finish is not None:
                 continue
             try:
-                if not req.grammar.accept_token(next_ids[k]):
+                if not req.matcher.accept_token(next_ids[k]):
                     next_ids[k] = self._masked_pick(req, logits[k : k + 1], rows[k])
-                    if not req.grammar.accept_token(next_ids[k]):
+                    if not req.matcher.accept_token(next_ids[k]):
                         continue  # unreachable (the mask allows it); on_token reports it
             except Exception as e:  # noqa: BLE001
                 fail_request(req, "advancing its grammar", e)
@@ -235,45 +246,45 @@ class GrammarManager:
     @staticmethod
     def apply(logits: torch.Tensor, reqs: list[Req], masks: Masks) -> None:
         """Mask the rows of `logits` (row k belongs to reqs[k]) in one op."""
-        bitmask, first = masks
-        ks = [k for k, r in enumerate(reqs) if id(r) in first]
+        ks = [k for k, r in enumerate(reqs) if r in masks]
         if not ks:
             return
         sub = logits[ks]
-        apply_token_bitmask_(sub, bitmask[[first[id(reqs[k])] for k in ks]])
+        apply_token_bitmask_(sub, masks.bitmask[[masks.first[reqs[k]] for k in ks]])
         logits[ks] = sub
 
     # ---- tokens ----------------------------------------------------------------------------
-    def on_token(self, req: Req, tok: int, eos_ids: set[int], context_length: int, accepted: bool = False) -> None:
-        """Advance the matcher over a sampled token (unless `accepted` says settle did); finish or
-        plan the next draft."""
-        if not accepted and not req.grammar.accept_token(tok):  # unreachable; never emit invalid output
-            req.finish = FinishReason("abort", message=f"the grammar rejected token {tok}")
-            return
-        if req.grammar.is_terminated():
-            req.finish = FinishReason("stop", matched=tok)
+    def on_token(self, req: Req, tok: int, eos_ids: set[int], context_length: int, accepted: bool = False
+                 ) -> list[int]:
+        """Advance the matcher over a sampled token (unless `accepted` says settle did); finish, or return the
+        forced text that follows (jump-forward: the draft SpecManager sets for the next forward; [] if none)."""
+        if not accepted and not req.matcher.accept_token(tok):  # unreachable; never emit invalid output
+            req.end(FinishReason("abort", message=f"the grammar rejected token {tok}"))
+            return []
+        if req.matcher.is_terminated():
+            req.end(FinishReason("stop", matched=tok))
         else:
             req.check_finished(eos_ids, self.tokenizer, context_length)
         if req.finish is not None:
-            if isinstance(req.grammar, ClosingMatcher):
-                self.close_searches += req.grammar.searches
-                self.close_search_s += req.grammar.search_s
-            if isinstance(req.grammar, ClosingMatcher) and req.grammar.cut:
+            closing = req.matcher if req.constraint.closing else None
+            if closing is not None:
+                self.close_searches += closing.searches
+                self.close_search_s += closing.search_s
+            if closing is not None and closing.cut:
                 self.closed += 1
-                req.finish = FinishReason("length", message=GRAMMAR_CLOSED)
+                req.end(FinishReason("length", message=GRAMMAR_CLOSED))
             elif req.finish.type == "length":
-                req.finish = FinishReason("length", message=GRAMMAR_CUT)
-            return
+                req.end(FinishReason("length", message=GRAMMAR_CUT))
+            return []
         left = min(req.params.max_new_tokens - req.output_len, context_length - req.seq_len)
         reserve = self._close_if_due(req, left)
         if self.args.disable_jump_forward or req.return_logprob or req.params.has_penalties:
-            return  # logprobs and penalties are per sampled token: no drafts for them
+            return []  # logprobs and penalties are per sampled token: no drafts for them
         # leave room for the token sampled after the draft, and for the closing
         room = left - 1 - reserve
-        draft = plan_draft(req.grammar, self.tokenizer, min(room, self.draft_budget))
-        if draft:
-            self.draft_budget -= len(draft)
-            req.set_draft(draft, forced=True)
+        draft = plan_draft(req.matcher, self.tokenizer, min(room, self.draft_budget))
+        self.draft_budget -= len(draft)
+        return draft
 
     def _close_if_due(self, req: Req, left: int) -> int:
         """Within close_window() tokens of the budget, keep a planned completion of the grammar: the last one
@@ -281,93 +292,87 @@ class GrammarManager:
         Once the tokens left come within twice the longest plan yet, the request's matcher
         becomes a ClosingMatcher (the model writes on only while a completion still fits). Returns the
         tokens a draft must leave."""
-        if self._close_vocab is None or isinstance(req.grammar, ClosingMatcher) or left > close_window(req):
+        c = req.constraint
+        if self._close_vocab is None or c.closing or left > close_window(req):
             return 0
-        last = req.close_plan
+        last = c.close_plan
         start = time.perf_counter()
-        if last is not None and len(last) <= left - 2 and still_holds(req.grammar, last, self._close_vocab):
+        if last is not None and len(last) <= left - 2 and still_holds(c.matcher, last, self._close_vocab):
             plan = last  # the model wrote on inside what the plan closes: no new search
-        elif last is None and req.close_retry_left is not None and left > req.close_retry_left:
+        elif last is None and c.close_retry_left is not None and left > c.close_retry_left:
             return 0  # nothing fitted a few tokens ago: not searched again yet
         else:
-            if req.close_required is None:
-                req.close_required = required_prefixes(req.params.json_schema)
-            plan = plan_close(req.grammar, self._close_vocab, self.tokenizer.decode(req.output_ids), left - 2,
-                              req.close_required)
+            if c.close_required is None:
+                c.close_required = required_prefixes(req.params.json_schema)
+            plan = plan_close(c.matcher, self._close_vocab, self.tokenizer.decode(req.output_ids), left - 2,
+                              c.close_required)
             self.close_searches += 1
-            req.close_retry_left = left - _RETRY_EVERY if plan is None else None
+            c.close_retry_left = left - _RETRY_EVERY if plan is None else None
         self.close_search_s += time.perf_counter() - start
-        req.close_plan = plan
+        c.close_plan = plan
         if plan is None:
             return 0
-        req.close_longest = max(req.close_longest, len(plan))
-        if left <= 2 * req.close_longest + _CLOSE_MARGIN:
-            req.grammar = ClosingMatcher(req.grammar, plan, self._close_vocab, self.tokenizer.decode(req.output_ids),
-                                         left, req.close_required or frozenset())
+        c.close_longest = max(c.close_longest, len(plan))
+        if left <= 2 * c.close_longest + _CLOSE_MARGIN:
+            c.matcher = ClosingMatcher(c.matcher, plan, self._close_vocab, self.tokenizer.decode(req.output_ids),
+                                       left, c.close_required or frozenset())
+            c.closing = True
             return 0
-        return req.close_longest + 1
+        return c.close_longest + 1
 
     def pick_verified(self, req: Req, rows: torch.Tensor, masks: Masks | None) -> tuple[int, int, bool]:
         """The model's constrained picks over a draft (rows: logits at the last sampled token and at each
         draft position). Returns (draft tokens kept, the token after them, whether the matcher has
         accepted that token); the matcher has accepted the kept draft tokens."""
-        draft = req.draft
+        draft = req.draft.tokens
         sr = SampleRow(req.params, req.generator, req.output_ids, req.origin_input_ids, [], False, 0)
-        if masks is None or id(req) not in masks[1]:
-            m, tok = self._verify_lazily(req, rows, sr)
-            return m, tok, True
+        if masks is None or req not in masks:
+            path, tok = walk(draft, None, self._lazy_picks(req, rows, sr))
+            return len(path), tok, True
         rows = rows.clone()
-        bitmask, first = masks
-        row = first[id(req)]
-        apply_token_bitmask_(rows, bitmask[row : row + len(rows)])
-        if req.params.is_greedy:
-            chosen = rows.argmax(-1).tolist()
-        else:  # position by position until the first miss: one draw per emitted token, as decoding draws
-            chosen = []
-            while len(chosen) <= len(draft) and (not chosen or chosen[-1] == draft[len(chosen) - 1]):
-                chosen += sample(rows[len(chosen) : len(chosen) + 1], [sr]).next_ids
-        m = accepted_prefix(draft, chosen)
-        req.grammar.rollback(len(draft) - m)  # the mask fill stepped through the whole draft
-        return m, chosen[m], False
+        apply_token_bitmask_(rows, masks.rows(req, len(rows)))
+        chosen = rows.argmax(-1).tolist() if req.params.is_greedy else None
+        # one draw per position the walk reaches, as decoding draws one per emitted token
+        path, tok = walk(draft, None, lambda node, _: chosen[node + 1] if chosen is not None
+                         else sample(rows[node + 1 : node + 2], [sr]).next_ids[0])
+        req.matcher.rollback(len(draft) - len(path))  # the mask fill stepped through the whole draft
+        return len(path), tok, False
 
     def admissible(self, req: Req, guess: list[int]) -> list[int]:
         """The longest prefix of a speculative guess the request's grammar allows after its draft so far (the
         forced text, if any; matcher unchanged), short of the grammar's end."""
-        if isinstance(req.grammar, ClosingMatcher) or req.close_plan is not None:
+        if req.constraint.closing or req.constraint.close_plan is not None:
             # near the budget the closing plans the end: no guesses. Their tokens would be committed together,
             # and the closing's state (its plans, when it takes over) would follow other steps than decoding
             # token by token does, and so might its masks: outputs must not depend on drafts
             return []
-        for t in req.draft:
-            req.grammar.accept_token(t)  # checked when the forced text was planned
-        n = allowed_prefix(req.grammar, guess, before_end=True)
-        req.grammar.rollback(len(req.draft))
+        for t in req.draft.tokens:
+            req.matcher.accept_token(t)  # checked when the forced text was planned
+        n = allowed_prefix(req.matcher, guess, before_end=True)
+        req.matcher.rollback(len(req.draft.tokens))
         return guess[:n]
 
     def _masked_pick(self, req: Req, row: torch.Tensor, sr: SampleRow) -> int:
         """Sample the logits row [1, vocab] again under the mask of the matcher's current state (the
         unmasked pick was refused)."""
         bitmask = allocate_bitmask(1, self.vocab_size)
-        req.grammar.fill_bitmask(bitmask, 0)
+        req.matcher.fill_bitmask(bitmask, 0)
         row = row.clone()
         apply_token_bitmask_(row, bitmask)
         self.lazy_fills += 1
         return sample(row, [sr]).next_ids[0]
 
-    def _verify_lazily(self, req: Req, rows: torch.Tensor, sr: SampleRow) -> tuple[int, int]:
-        """Walk the draft position by position, picking as `settle` does (unmasked first, the mask
-        only on rejection); the matcher ends having accepted the kept draft and the final pick.
-        Returns (draft tokens kept, final token)."""
-        draft = req.draft
-        for i in range(len(rows)):
-            row = rows[i : i + 1]
+    def _lazy_picks(self, req: Req, rows: torch.Tensor, sr: SampleRow) -> Pick:
+        """Picks over a draft as `settle` makes them (unmasked first, the mask only on rejection); the matcher
+        accepts each pick, so it ends having accepted the kept draft and the final pick."""
+        def pick(node: int, _path: list[int]) -> int:
+            row = rows[node + 1 : node + 2]
             tok = sample(row, [sr]).next_ids[0]
-            if not req.grammar.accept_token(tok):
+            if not req.matcher.accept_token(tok):
                 tok = self._masked_pick(req, row, sr)
-                req.grammar.accept_token(tok)  # allowed by the mask
-            if i == len(draft) or tok != draft[i]:
-                return i, tok
-        raise AssertionError("unreachable: the last row always ends the walk")
+                req.matcher.accept_token(tok)  # allowed by the mask
+            return tok
+        return pick
 
     def stats(self) -> dict:
         return {"num_compiling": len(self.compiling),

@@ -14,7 +14,7 @@ import torch
 
 from plait.radix_cache import KVAllocator, NoCache, PrefixCache, RadixCache, ReqToTokenPool
 from plait.radix_cache.memory_pool import WindowedKVAllocator
-from plait.runtime.scheduler.req import Req
+from plait.runtime.scheduler.req import KVState, Req
 
 
 class JoinResult(NamedTuple):
@@ -68,17 +68,15 @@ class KVManager:
         m = len(match.indices)
         self.table[row, :m] = match.indices
         self.cache.lock(match.node)
-        req.window_covered = self.cache.lock_window(match.node, self.window)
-        req.window_released = m
-        req.row, req.last_node = row, match.node
-        req.cached_len = req.tree_len = req.alloc_len = m
+        req.kv = KVState(row, match.node, m, m, m, window_released=m,
+                         window_covered=self.cache.lock_window(match.node, self.window))
         if req.cached_tokens < 0:  # first admission: report the prompt's cache hit (not a resume's)
             req.cached_tokens = min(m, req.prompt_len)
         return True
 
     def reserve(self, req: Req, n: int) -> bool:
         """Ensure slots for the next n tokens (from cached_len); evicts cache if short."""
-        need = req.cached_len + n - req.alloc_len
+        need = req.kv.cached_len + n - req.kv.alloc_len
         if self.window:
             self._release_behind_window(req, eager=need > self.allocator.window.free_slots)
         if need <= 0:
@@ -89,55 +87,71 @@ class KVManager:
         if self.window and need > self.allocator.window.free_slots:
             # a run at a time: each call walks the whole tree
             self.cache.evict_window(max(need - self.allocator.window.free_slots, _RELEASE_RUN))
-        last_slot = int(self.table[req.row, req.alloc_len - 1]) if req.alloc_len else -1
-        slots = self.allocator.alloc_extend(last_slot, req.alloc_len, need)
+        last_slot = int(self.table[req.kv.row, req.kv.alloc_len - 1]) if req.kv.alloc_len else -1
+        slots = self.allocator.alloc_extend(last_slot, req.kv.alloc_len, need)
         if slots is None:
             return False
-        self.table[req.row, req.alloc_len : req.alloc_len + need] = slots
-        req.alloc_len += need
+        self.table[req.kv.row, req.kv.alloc_len : req.kv.alloc_len + need] = slots
+        req.kv.alloc_len += need
         return True
 
+    def computed(self, req: Req, n: int) -> None:
+        """A forward computed the request's next `n` tokens."""
+        req.kv.cached_len += n
+
+    def keep_verified(self, req: Req, computed: int) -> None:
+        """A draft was verified: of the `computed` leading tokens, those the output kept count as cached; the
+        rejected ones' slots stay in the row, past the sequence's end, for the next tokens to overwrite."""
+        req.kv.cached_len = min(computed, req.seq_len)
+
+    def move_draft_slots(self, req: Req, order: list[int]) -> None:
+        """Reorder the KV slots of the request's draft (a tree's kept path first), in step with its tokens."""
+        first = req.seq_len
+        slots = self.table[req.kv.row, first : first + len(order)]
+        slots.copy_(slots[order].clone())
+
     def cache_prefix(self, req: Req) -> None:
-        """Hand the request's computed tokens to the radix tree (shareable from now on)."""
+        """Hand the request's computed committed tokens to the radix tree (shareable from now on); a draft's
+        are not the sequence's until verified."""
         if not self.use_cache:
             return
-        aligned = req.cached_len - req.cached_len % self.page_size
-        if aligned <= req.tree_len:
+        done = min(req.kv.cached_len, req.seq_len)
+        aligned = done - done % self.page_size
+        if aligned <= req.kv.tree_len:
             return
         key = req.fill_ids[:aligned]
-        slots = self.table[req.row, :aligned]
+        slots = self.table[req.kv.row, :aligned]
         present = self.cache.insert(key, slots, joins=req.kv_joins)
-        if present > req.tree_len:  # another request cached these first: ours are duplicates
-            self.allocator.free(slots[req.tree_len : present].clone())
+        if present > req.kv.tree_len:  # another request cached these first: ours are duplicates
+            self.allocator.free(slots[req.kv.tree_len : present].clone())
         match = self.cache.match_prefix(key, joins=req.kv_joins)
-        self.table[req.row, :aligned] = match.indices
+        self.table[req.kv.row, :aligned] = match.indices
         self.cache.lock(match.node)
         covered = self.cache.lock_window(match.node, self.window)
-        self.cache.unlock_window(req.last_node, req.window_covered)
-        self.cache.unlock(req.last_node)
-        req.last_node, req.tree_len, req.window_covered = match.node, aligned, covered
+        self.cache.unlock_window(req.kv.last_node, req.kv.window_covered)
+        self.cache.unlock(req.kv.last_node)
+        req.kv.last_node, req.kv.tree_len, req.kv.window_covered = match.node, aligned, covered
 
     def release(self, req: Req) -> None:
         """Cache what the request computed, free the rest and its row."""
-        if req.row is None:
+        if req.kv.row is None:
             return
         self.cache_prefix(req)
-        own = self.table[req.row, req.tree_len : req.alloc_len]
+        own = self.table[req.kv.row, req.kv.tree_len : req.kv.alloc_len]
         self.allocator.free(own.clone())
-        self.cache.unlock_window(req.last_node, req.window_covered)
-        self.cache.unlock(req.last_node)
-        self.req_to_token.free(req.row)
-        req.row, req.last_node = None, None
-        req.cached_len = req.tree_len = req.alloc_len = req.window_covered = req.window_released = 0
+        self.cache.unlock_window(req.kv.last_node, req.kv.window_covered)
+        self.cache.unlock(req.kv.last_node)
+        self.req_to_token.free(req.kv.row)
+        req.kv = KVState()
 
     def _release_behind_window(self, req: Req, eager: bool) -> None:
         """Release the window slots of the request's own tokens (not the tree's) that no later token sees: in runs,
         or all of them at once when window slots are short."""
-        start = max(req.window_released, req.tree_len)
-        end = req.cached_len - self.window
+        start = max(req.kv.window_released, req.kv.tree_len)
+        end = req.kv.cached_len - self.window
         if end - start >= (1 if eager else _RELEASE_RUN):
-            self.allocator.release_window(self.table[req.row, start:end])
-            req.window_released = end
+            self.allocator.release_window(self.table[req.kv.row, start:end])
+            req.kv.window_released = end
 
     def join(self, parts: list[list[int]], fork_len: int, joins: tuple[str, ...], join_id: str,
              copy_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]) -> JoinResult:
@@ -189,6 +203,21 @@ class KVManager:
         self.cache.reset()
         return True
 
+    def stats(self) -> dict:
+        cache = self.cache.stats()
+        window = self.allocator.window if self.window else None
+        return {
+            "kv_capacity": self.allocator.capacity,
+            "kv_free": self.allocator.free_slots,
+            # the sliding-window layers' slots (0 when they keep every token's KV)
+            "kv_window_capacity": window.capacity if window else 0,
+            "kv_window_free": window.free_slots if window else 0,
+            "cache_tokens": cache.total_tokens,
+            "cache_evictable": cache.evictable_tokens,
+            "cache_protected": cache.protected_tokens,
+            "cache_hit_rate": cache.hit_rate,
+        }
+
     def check(self, holding: list[Req] = ()) -> str | None:
         """Every slot is free, in the cache, or owned by exactly one of the requests `holding` KV (the admitted
         ones: none when idle); no node is locked and no row held but theirs; the tree's invariants hold (the window
@@ -198,14 +227,14 @@ class KVManager:
         except AssertionError as e:
             return f"radix tree: {e}"
         stats = self.cache.stats()
-        held = [r for r in holding if r.row is not None]
+        held = [r for r in holding if r.kv.row is not None]
         if stats.protected_tokens and not held:
             return f"{stats.protected_tokens} cached tokens are still locked"
-        own = [self.table[r.row, r.tree_len : r.alloc_len] for r in held]
+        own = [self.table[r.kv.row, r.kv.tree_len : r.kv.alloc_len] for r in held]
         if own and torch.cat(own).unique().numel() != sum(len(o) for o in own):
             return "two requests own the same KV slot"
         page = self.page_size  # a request holds the whole page its last token is on
-        owned = sum(-(-r.alloc_len // page) * page - r.tree_len for r in held)
+        owned = sum(-(-r.kv.alloc_len // page) * page - r.kv.tree_len for r in held)
         if self.allocator.free_slots + stats.total_tokens + owned != self.allocator.capacity:
             return (f"leaked KV: {self.allocator.free_slots} free + {stats.total_tokens} cached + {owned} owned != "
                     f"{self.allocator.capacity} slots")

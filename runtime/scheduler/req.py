@@ -1,17 +1,27 @@
-"""Req: one sequence in the scheduler.
+"""Req: one sequence in the scheduler, and the parts of it that one component each writes.
+
+A request's own fields (its input, sampling parameters, committed output, how it ended) are set here and by
+the two functions that grow and end it (`req_io.take_token`, `Req.end`). Everything else lives in a part with
+one writer; the others only read it:
+
+- `kv` (KVState): its KV row, slots and radix-tree lock: KVManager;
+- `constraint` (Constraint): its grammar's compile, matcher and closing plan: GrammarManager;
+- `draft` (Draft): tokens drafted for the next forward to verify, and how its drafts fared: SpecManager;
+- `stream` (Stream): the deltas its next TokenOut carries: req_io.
 
 Lengths, named the same everywhere:
-- `cached_len`: leading tokens of `fill_ids` whose KV is in the pool (shared from the radix
-  tree or computed for this request);
-- `tree_len`: leading tokens whose KV belongs to the radix tree (locked through `last_node`);
-- `alloc_len`: tokens that have KV slots in the request's row (>= cached_len);
-- `window_released`: leading tokens whose window slots (sliding-window layers) it no longer holds;
-- `output_len`: generated tokens.
+- `seq_len`: prompt + output tokens (committed; a draft is not output until verified);
+- `fill_len`: seq_len + the draft: the tokens forwards compute, `fill_ids`;
+- `kv.cached_len`: leading tokens of `fill_ids` whose KV is in the pool (shared from the radix tree or
+  computed for this request); `kv.tree_len`: of which the radix tree owns (locked through `kv.last_node`);
+- `kv.alloc_len`: tokens with KV slots in the request's row (>= cached_len);
+- `kv.window_released`: leading tokens whose window slots (sliding-window layers) it no longer holds.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,92 +29,112 @@ from plait.runtime.ipc.messages import FinishReason, TokenizedGenerateReq
 from plait.runtime.sampling.params import SamplingParams
 
 
+@dataclass
+class KVState:
+    """Where the request's KV is: written by KVManager only."""
+
+    row: int | None = None  # its row of the request-to-token table while admitted
+    last_node: object = None  # the radix node locking the prefix it shares
+    cached_len: int = 0
+    tree_len: int = 0
+    alloc_len: int = 0
+    window_released: int = 0
+    window_covered: int = 0  # cached tokens whose window slots it locks in the tree
+
+
+@dataclass
+class Constraint:
+    """A constrained request's grammar: written by GrammarManager only."""
+
+    compile: object = None  # its constrained/base.Compile while the grammar compiles
+    matcher: object = None  # its Matcher once compiled; a closing.ClosingMatcher once the closing took over
+    closing: bool = False  # whether `matcher` is the closing's
+    backend: str | None = None  # the backend that compiled it (auto picks per request)
+    narrowed: list[str] = field(default_factory=list)  # how its JSON schema was narrowed (schema_policy.py)
+    close_plan: list[int] | None = None  # the last planned completion (closing.py)
+    close_retry_left: int | None = None  # with no plan: search again once the tokens left fall to this
+    close_longest: int = 0  # the longest plan so far: how much one token may lengthen the completion
+    close_required: frozenset[str] | None = None  # prefixes of the names its JSON schema requires
+
+
+@dataclass
+class Draft:
+    """Tokens after the output that the next forward computes and the model verifies: written by SpecManager only."""
+
+    tokens: list[int] = field(default_factory=list)
+    forced: int = 0  # leading tokens that are the grammar's forced text (jump-forward); the rest are guesses
+    parents: list[int] | None = None  # a draft tree: the node each node follows (-1: the last sampled token)
+    verified_rows: list[int] | None = None  # rows of the last verify in position order (a tree's path first)
+    acceptance: object = None  # its speculative/cost.Acceptance of recent drafts, once it drafts
+    verifies: int = 0  # forwards that verified a speculative draft of this request
+    drafted: int = 0  # speculative draft tokens verified
+    accepted: int = 0  # of which the model kept
+
+    @property
+    def guess_len(self) -> int:
+        """Speculative draft tokens (after any forced ones)."""
+        return len(self.tokens) - self.forced
+
+
+@dataclass
+class Stream:
+    """What the request's next TokenOut carries: written by req_io only."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[float, int]] = field(default_factory=list)
+    top: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
+    input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    input_logprobs_done: bool = False
+    queue_time_sent: bool = False
+    decode_sent: bool = False
+
+
 class Req:
     def __init__(self, msg: TokenizedGenerateReq, seed: int):
         self.rid = msg.rid
         self.group = msg.group
         self.origin_input_ids: list[int] = list(msg.input_ids)
-        self.output_ids: list[int] = []
+        self.output_ids: list[int] = []  # committed tokens only (req_io.take_token)
         self.params: SamplingParams = msg.sampling_params
         self.return_logprob = msg.return_logprob
         self.logprob_start_len = msg.logprob_start_len
         self.top_logprobs_num = msg.top_logprobs_num
         self.kv_joins: tuple[str, ...] = tuple(msg.kv_joins)
         self.generator = torch.Generator().manual_seed(msg.sampling_params.seed if msg.sampling_params.seed is not None else seed)
-
-        self.grammar = None  # Matcher once compiled (constrained requests)
-        self.grammar_compile = None  # its constrained/base.Compile while the grammar compiles
-        self.grammar_backend: str | None = None  # the backend that compiled it (auto picks per request)
-        self.grammar_narrowed: list[str] = []  # how its JSON schema was narrowed (schema_policy.py)
-        self.close_plan: list[int] | None = None  # the grammar's last planned completion (closing.py)
-        self.close_retry_left: int | None = None  # with no plan: search again once the tokens left fall to this
-        self.close_longest = 0  # the longest plan so far: how much one token may lengthen the completion
-        self.close_required: frozenset[str] | None = None  # prefixes of the names its JSON schema requires (closing.py)
-        self.draft: list[int] = []  # drafted tokens at the end of output_ids, not yet verified
-        # leading draft tokens that are the grammar's forced text (jump-forward); the rest are speculative guesses
-        self.draft_forced = 0
-        self.draft_parents: list[int] | None = None  # a draft tree: the node each node follows (-1: last sampled)
-        self.verified_rows: list[int] | None = None  # rows of the last verify in position order (a tree's path first)
-        self.spec_verify_ct = 0  # forwards that verified a speculative draft of this request
-        self.spec_drafted = 0  # speculative draft tokens verified
-        self.spec_accepted = 0  # of which the model kept
-        self.spec_accept = None  # its speculative/cost.Acceptance of recent drafts once it drafts (sizes the next)
-        self.row: int | None = None
-        self.last_node = None
-        self.cached_len = 0
-        self.tree_len = 0
-        self.alloc_len = 0
-        self.window_released = 0
-        self.window_covered = 0  # cached tokens whose window slots it locks in the tree (KVManager)
-        self.cached_tokens = -1  # prompt tokens served from the radix cache at admission; -1 until admitted
-        self.num_retractions = 0
-        self.finish: FinishReason | None = None
+        self.kv = KVState()
+        self.constraint = Constraint()
+        self.draft = Draft()
+        self.stream = Stream()
+        self.finish: FinishReason | None = None  # how it ended (end)
         self.failed = False  # ended by a fault of its own (faults.py)
         self.arrival = time.perf_counter()
-        self.queue_time: float | None = None  # set at first admission
-        self.queue_time_sent = False
-        self.decode_sent = False
-        self.input_logprobs_done = False
+        # admission's: the first wait in the queue, and how often it gave its KV back
+        self.queue_time: float | None = None
+        self.num_retractions = 0
+        self.cached_tokens = -1  # KVManager's: prompt tokens served from the radix cache at first admission
 
-        # deltas not yet sent
-        self.pending_ids: list[int] = []
-        self.pending_logprobs: list[tuple[float, int]] = []
-        self.pending_top: list[list[tuple[float, int]]] = []
-        self.pending_input_logprobs: list[tuple[float | None, int]] = []
-        self.pending_input_top: list[list[tuple[float, int]] | None] = []
-
-    def set_draft(self, draft: list[int], forced: bool, parents: list[int] | None = None) -> None:
-        """Append a draft to output_ids: the grammar's forced text (`forced`) or a speculative guess (a tree's
-        nodes, parents first, when `parents` is given); the next forward computes it and the model verifies it."""
-        self.draft, self.draft_forced, self.draft_parents = draft, len(draft) if forced else 0, parents
-        self.output_ids.extend(draft)
-
-    def add_guess(self, guess: list[int]) -> None:
-        """A speculative guess after the forced text already drafted (verified in the same forward)."""
-        self.draft = self.draft + guess
-        self.output_ids.extend(guess)
+    def end(self, reason: FinishReason, failed: bool = False) -> None:
+        self.finish = reason
+        self.failed = self.failed or failed
 
     @property
-    def guess_len(self) -> int:
-        """Speculative draft tokens (after any forced ones)."""
-        return len(self.draft) - self.draft_forced
-
-    def drop_draft(self, guess_only: bool = False) -> None:
-        """Forget an unverified draft (the request is being retracted or failed), or only its guess."""
-        drop = self.guess_len if guess_only else len(self.draft)
-        if drop:
-            del self.output_ids[-drop:]
-            self.draft, self.draft_parents = self.draft[: len(self.draft) - drop], None
-        if not self.draft:
-            self.draft_forced = 0
+    def matcher(self):
+        """Its grammar's matcher (None: unconstrained, or still compiling)."""
+        return self.constraint.matcher
 
     @property
     def fill_ids(self) -> list[int]:
-        return self.origin_input_ids + self.output_ids
+        """The tokens forwards compute: prompt, output and any draft."""
+        return self.origin_input_ids + self.output_ids + self.draft.tokens
 
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def fill_len(self) -> int:
+        return self.seq_len + len(self.draft.tokens)
 
     @property
     def output_len(self) -> int:
@@ -116,15 +146,15 @@ class Req:
 
     @property
     def pending_len(self) -> int:
-        """Tokens still to compute before the next sample (1 while decoding)."""
-        return self.seq_len - self.cached_len
+        """Tokens still to compute before the next sample or verify (1 while decoding without a draft)."""
+        return self.fill_len - self.kv.cached_len
 
     def remaining_tokens(self) -> int:
         return max(self.params.max_new_tokens - self.output_len, 0)
 
     def input_logprob_start(self) -> int:
         """First prompt position whose input logprob is reported, or prompt_len if none."""
-        if not self.return_logprob or self.logprob_start_len < 0 or self.input_logprobs_done:
+        if not self.return_logprob or self.logprob_start_len < 0 or self.stream.input_logprobs_done:
             return self.prompt_len
         return min(self.logprob_start_len, self.prompt_len)
 
@@ -142,16 +172,16 @@ class Req:
         p = self.params
         if last is not None and self.output_len >= p.min_new_tokens:
             if last in p.stop_token_ids or (not p.ignore_eos and last in eos_ids):
-                self.finish = FinishReason("stop", matched=last)
+                self.end(FinishReason("stop", matched=last))
                 return
             if p.stop:
                 window = max(len(s) for s in p.stop) + 4
                 tail = tokenizer.decode(self.output_ids[-window:], skip_special_tokens=p.skip_special_tokens)
                 for s in p.stop:
                     if s in tail:
-                        self.finish = FinishReason("stop", matched=s)
+                        self.end(FinishReason("stop", matched=s))
                         return
         if self.output_len >= p.max_new_tokens:
-            self.finish = FinishReason("length", matched=None)
+            self.end(FinishReason("length", matched=None))
         elif self.seq_len >= context_length:
-            self.finish = FinishReason("length", message="context length reached")
+            self.end(FinishReason("length", message="context length reached"))

@@ -1,9 +1,10 @@
 """SpecManager: drafts and their verification, one path for every kind of draft.
 
-A draft is tokens appended to a request's output that the next forward computes in one extend,
-with logits at the last sampled token and at every draft position. Two kinds plan them:
-- jump-forward (`Req.draft_forced` leading tokens): the grammar's forced text (GrammarManager plans it);
-- speculative (the rest, `Req.guess_len`): a guess with no guarantee, cut to what the request's grammar
+A draft (`Req.draft`, this manager's alone to write) is tokens after a request's output that the next forward
+computes in one extend, with logits at the last sampled token and at every draft position; they become output
+only as the model verifies them. Two kinds plan them:
+- jump-forward (`draft.forced` leading tokens): the grammar's forced text (GrammarManager plans it);
+- speculative (the rest, `draft.guess_len`): a guess with no guarantee, cut to what the request's grammar
   allows, from the drafter `--speculative-algorithm` names (runtime/speculative/drafter.py: EAGLE heads,
   NGRAM and SUFFIX lookups). A lookup's guess may follow forced text in the same draft; a model's cannot,
   having no features or K/V for tokens the target has not computed.
@@ -36,14 +37,16 @@ from __future__ import annotations
 import logging
 
 import torch
-from plait.runtime.forward.batch import ForwardMode
-from plait.runtime.model_executor.model_runner import tree_depths
+from plait.runtime.forward.batch import ForwardMode, tree_depths
 from plait.runtime.scheduler.grammar_manager import GrammarManager, Masks
+from plait.runtime.scheduler.kv_manager import KVManager
 from plait.runtime.scheduler.req import Req
+from plait.runtime.scheduler.req_io import take_token
+from plait.runtime.scheduler.step import Step
 from plait.runtime.speculative.config import DraftConfig
 from plait.runtime.speculative.cost import Acceptance, RowCost, StepRate, choose_sizes, fill_caps, running_mean
 from plait.runtime.speculative.drafter import Committed, Drafter, DraftStep
-from plait.runtime.speculative.verify import walk_draft
+from plait.runtime.speculative.verify import sampler_picks, walk
 
 _EMA = 0.3  # weight of the latest measurement in the running means of a draft step and of a step's overhead
 # a batch size whose steps with drafts measured fewer tokens a second than its steps without drafts still
@@ -54,11 +57,11 @@ logger = logging.getLogger(__name__)
 
 
 class SpecManager:
-    def __init__(self, args: DraftConfig, tokenizer, grammars: GrammarManager, drafter: Drafter | None = None,
-                 table: torch.Tensor | None = None):
-        self.args, self.tokenizer, self.grammars = args, tokenizer, grammars
+    def __init__(self, args: DraftConfig, tokenizer, grammars: GrammarManager, kv: KVManager,
+                 drafter: Drafter | None = None):
+        self.args, self.tokenizer, self.grammars, self.kv = args, tokenizer, grammars, kv
         self.algorithm = args.speculative_algorithm
-        self.drafter, self.table = drafter, table
+        self.drafter = drafter
         self.trees = drafter is not None and drafter.drafts_trees
         self.max_nodes = args.speculative_num_draft_tokens - 1  # draft tokens one verify may hold
         self.max_draft = min(args.speculative_num_steps or self.max_nodes, self.max_nodes)  # chain length / tree depth
@@ -87,9 +90,28 @@ class SpecManager:
         return self.drafter.capture if self.drafter is not None else ()
 
     def release(self, req: Req) -> None:
-        """`req` ended: the drafter forgets it."""
+        """`req` ended: its draft goes, and the drafter forgets it."""
+        self.drop(req)
         if self.drafter is not None:
             self.drafter.release(req)
+
+    # ---- the request's draft: set and dropped here only ----------------------------------
+    def force(self, req: Req, forced: list[int]) -> None:
+        """The grammar's forced text after the request's last token (jump-forward) becomes its draft."""
+        if forced:
+            req.draft.tokens, req.draft.forced, req.draft.parents = list(forced), len(forced), None
+
+    def _guess(self, req: Req, tokens: list[int], parents: list[int] | None = None) -> None:
+        """A speculative guess, after any forced text already drafted (a tree's nodes, parents first, when
+        `parents` is given; only without forced text)."""
+        d = req.draft
+        d.tokens, d.parents = d.tokens + tokens, parents
+
+    def drop(self, req: Req, guess_only: bool = False) -> None:
+        """Forget an unverified draft (the request is retracted or ended), or only its guess."""
+        d = req.draft
+        d.tokens, d.parents = (d.tokens[: d.forced], None) if guess_only else ([], None)
+        d.forced = len(d.tokens)
 
     def flush(self) -> None:
         """The caches are flushed: the drafter forgets earlier requests too."""
@@ -101,7 +123,7 @@ class SpecManager:
         if self.drafter is not None:
             self.drafter.copy_kv(src, dst, shift)
 
-    def begin_step(self, running: int, waiting: int) -> None:
+    def set_budget(self, running: int, waiting: int) -> None:
         """Budgets for the drafts planned after this step's forward (they join the next one). No speculative
         drafts while requests wait: their prefill makes the next forward compute-bound anyway."""
         # no room for drafts at all (a full batch, a queue): the head may skip decoded positions. Not where drafts
@@ -114,8 +136,7 @@ class SpecManager:
         self.drafting_seconds = 0.0
 
     # ---- planning ------------------------------------------------------------------------
-    def plan(self, took: list[Req], batch: list[tuple[Req, int]], items: list, features: list | None,
-             context_length: int) -> None:
+    def plan(self, took: list[Req], step: Step, features: list | None, context_length: int) -> None:
         """After the step's tokens are committed: speculative drafts for the requests in `took` (those that
         took tokens) that drafted nothing else (or only forced text, where the drafter may follow it). The
         drafter first sees every position the forward committed (`features`: the target's, per work item).
@@ -123,31 +144,34 @@ class SpecManager:
         if self.drafter is None:
             return
         try:
-            self._plan(took, batch, items, features, context_length)
+            self._plan(took, step, features, context_length)
         except Exception:  # noqa: BLE001
             logger.exception("planning speculative drafts failed; this step drafts nothing")
             for req in took:
-                req.drop_draft(guess_only=True)
+                self.drop(req, guess_only=True)
+        finally:
+            for p in step.planned:  # the drafter has read the features of a tree's kept path
+                p.req.draft.verified_rows = None
 
-    def _plan(self, took: list[Req], batch: list[tuple[Req, int]], items: list, features: list | None,
-              context_length: int) -> None:
+    def _plan(self, took: list[Req], step: Step, features: list | None, context_length: int) -> None:
         caps = {req: self._cap(req, context_length) for req in took}
         cands = [req for req, cap in caps.items() if cap > 0]
         limits = [caps[r] for r in cands]
         if self.args.speculative_draft_policy == "fixed":
             chosen = fill_caps(limits, self.budget)
         else:
-            chosen = choose_sizes(self.cost, self.base_rows, [r.spec_accept for r in cands], limits, self.budget,
+            chosen = choose_sizes(self.cost, self.base_rows, [r.draft.acceptance for r in cands], limits, self.budget,
                                   self.pass_cost, self.overhead)
         for req, n in zip(cands, chosen):
             if n == 0:  # no verify will update its acceptance: drift back to the prior, so it is tried again
-                req.spec_accept.relax()
+                req.draft.acceptance.relax()
         sizes = {req: n for req, n in zip(cands, chosen) if n > 0}
         self.budget -= sum(sizes.values())
         depths = {req: min(self.max_draft, self._left(req, context_length)) for req in sizes if self._tree(req)}
-        committed = [Committed(req, item.cached_len, req.cached_len - item.cached_len,
-                               None if features is None else features[i], item.mode is ForwardMode.EXTEND)
-                     for i, ((req, _), item) in enumerate(zip(batch, items))]
+        # the committed positions only: a failed request's unverified draft is not the sequence's
+        committed = [Committed(p.req, p.item.cached_len, max(0, min(p.req.kv.cached_len, p.req.seq_len) - p.item.cached_len),
+                               None if features is None else features[i], p.work.mode is ForwardMode.EXTEND)
+                     for i, p in enumerate(step.planned)]
         proposal = self.drafter.propose(DraftStep(committed, sizes, depths, self.no_room))
         self.drafting_seconds = proposal.seconds
         if proposal.steps:
@@ -155,34 +179,27 @@ class SpecManager:
         for req, size in sizes.items():
             draft = proposal.drafts.get(req)
             tokens = draft.tokens if draft is not None else []
-            if draft is not None and draft.parents is not None:
-                self.budget += size - len(tokens)
-                if tokens:
-                    req.set_draft(tokens, forced=False, parents=draft.parents)
-                continue
-            if tokens and req.grammar is not None:
+            if tokens and draft.parents is None and req.matcher is not None:
                 tokens = self.grammars.admissible(req, tokens)
             self.budget += size - len(tokens)
-            if tokens and req.draft:
-                req.add_guess(tokens)
-            elif tokens:
-                req.set_draft(tokens, forced=False)
+            if tokens:
+                self._guess(req, tokens, draft.parents)
 
     @staticmethod
     def _left(req: Req, context_length: int) -> int:
         """Draft tokens that fit before the request's length limits (its next token after them included)."""
-        return min(req.params.max_new_tokens - req.output_len, context_length - req.seq_len) - 1
+        return min(req.params.max_new_tokens - req.output_len, context_length - req.seq_len) - len(req.draft.tokens) - 1
 
     def _cap(self, req: Req, context_length: int) -> int:
         """The most tokens `req` may draft now (0: none); `choose_sizes` decides how many pay."""
         if req.finish is not None or self.budget <= 0:
             return 0
-        if req.draft and (req.guess_len or not self.drafter.follows_forced):
+        if req.draft.tokens and (req.draft.guess_len or not self.drafter.follows_forced):
             return 0  # a guess after forced text the model has not verified: only a lookup can make one
-        if req.grammar is not None and (req.return_logprob or req.params.has_penalties):
+        if req.matcher is not None and (req.return_logprob or req.params.has_penalties):
             return 0  # constrained picks over a draft are masked per position: no per-token logprobs or penalties
-        if req.spec_accept is None:
-            req.spec_accept = Acceptance()
+        if req.draft.acceptance is None:
+            req.draft.acceptance = Acceptance()
         return max(0, min(self.max_nodes if self._tree(req) else self.max_draft, self._left(req, context_length)))
 
     def record_step(self, requests: int, drafted: bool, tokens: int, seconds: float) -> None:
@@ -214,75 +231,66 @@ class SpecManager:
 
     def _tree(self, req: Req) -> bool:
         """Whether `req` drafts a tree (a drafter of trees; a grammar cuts chains only)."""
-        return self.trees and req.grammar is None
+        return self.trees and req.matcher is None
 
     # ---- verification --------------------------------------------------------------------
     def verify(self, req: Req, rows: torch.Tensor, masks: Masks | None, eos_ids: set[int],
                context_length: int) -> None:
         """rows: logits at the last sampled token and at each draft position (1 + len(draft))."""
-        forced, parents = req.draft_forced, req.draft_parents
+        d = req.draft
+        forced, parents = d.forced, d.parents
         logprobs = None
-        if req.grammar is not None:
+        if req.matcher is not None:
             kept, tok, accepted = self.grammars.pick_verified(req, rows, masks)
         else:
-            path, tok, logprobs = walk_draft(req, rows, eos_ids, parents)
+            picked: list = []  # each pick's logprobs, with return_logprob
+            path, tok = walk(d.tokens, parents, sampler_picks(req, rows, eos_ids, picked))
+            logprobs = picked if req.return_logprob else None
             if parents is not None:
                 self._linearize(req, path)
             kept = len(path)
             accepted = False
         self.drafted["jump_forward"] += forced
         self.kept["jump_forward"] += min(kept, forced)
-        guessed, guessed_kept = req.guess_len, kept - forced
+        guessed, guessed_kept = d.guess_len, kept - forced
         if guessed and guessed_kept >= 0:  # a guess after forced text the model rejected was never tried
             self.drafted["speculative"] += guessed
             self.kept["speculative"] += guessed_kept
             self.spec_verifies += 1
             self.seeded_verifies += forced > 0
-            req.spec_verify_ct += 1
-            req.spec_drafted += guessed
-            req.spec_accepted += guessed_kept
+            d.verifies += 1
+            d.drafted += guessed
+            d.accepted += guessed_kept
             # the tokens whose fate this verify decided: the kept ones and the miss, if any
             deepest = guessed if parents is None else max(tree_depths(parents))
-            req.spec_accept.update(guessed_kept, guessed_kept + (1 if guessed_kept < deepest else 0))
+            d.acceptance.update(guessed_kept, guessed_kept + (1 if guessed_kept < deepest else 0))
         self._commit(req, kept, tok, logprobs, accepted, eos_ids, context_length)
 
     def _linearize(self, req: Req, path: list[int]) -> None:
         """Put a tree's kept path first: its nodes' tokens and KV slots (each computed at its depth's position)
         move to the positions right after the sampled token, so the kept run is an ordinary prefix."""
-        n = len(req.draft)
-        order = path + [i for i in range(n) if i not in set(path)]
-        first = req.seq_len - n  # position of the first draft node
-        slots = self.table[req.row, first : first + n]
-        slots.copy_(slots[order].clone())
-        req.draft = [req.draft[i] for i in order]
-        req.output_ids[-n:] = req.draft
-        req.draft_parents = None
-        req.verified_rows = [0] + [1 + i for i in order]
+        d = req.draft
+        order = path + [i for i in range(len(d.tokens)) if i not in set(path)]
+        self.kv.move_draft_slots(req, order)
+        d.tokens, d.parents = [d.tokens[i] for i in order], None
+        d.verified_rows = [0] + [1 + i for i in order]
 
     def _commit(self, req: Req, kept: int, tok: int, logprobs, accepted: bool, eos_ids: set[int],
                 context_length: int) -> None:
         """Keep the first `kept` draft tokens and then `tok`, stopping where the request finishes (a stop
         token or string, max_new_tokens inside the kept run)."""
-        draft = req.draft
-        base = req.output_len - len(draft)
-        del req.output_ids[base:]
-        req.draft = []
+        tokens = req.draft.tokens[:kept] + [tok]
+        self.drop(req)
         computed = req.seq_len + kept  # the forward computed the kept tokens' KV, not the next token's
-        tokens = draft[:kept] + [tok]
         for i, t in enumerate(tokens):
-            req.output_ids.append(t)
-            req.pending_ids.append(t)
-            if logprobs is not None:
-                req.pending_logprobs.append(logprobs[i][0])
-                if req.top_logprobs_num:
-                    req.pending_top.append(logprobs[i][1] or [])
-            if i == kept and req.grammar is not None:
-                self.grammars.on_token(req, t, eos_ids, context_length, accepted=accepted)
+            take_token(req, t, *(logprobs[i] if logprobs is not None else (None, None)))
+            if i == kept and req.matcher is not None:
+                self.force(req, self.grammars.on_token(req, t, eos_ids, context_length, accepted=accepted))
             else:
                 req.check_finished(eos_ids, self.tokenizer, context_length)
             if req.finish is not None:
                 break
-        req.cached_len = min(computed, req.seq_len)
+        self.kv.keep_verified(req, computed)
 
     def stats(self) -> dict:
         spec = self.drafted["speculative"]

@@ -249,14 +249,13 @@ class EagleDrafter:
         runs, owners, dropped = [], [], []
         for c in step.committed:
             req, feats = c.req, c.features
-            if req.verified_rows is not None:  # a tree's kept path, in position order
-                feats = feats[req.verified_rows]
-                req.verified_rows = None
+            if req.draft.verified_rows is not None:  # a tree's kept path, in position order
+                feats = feats[req.draft.verified_rows]
             if c.count <= 0:
                 continue
             # a finished request's positions too: a later request may reuse them from the radix cache
             nxt = req.fill_ids[c.start + 1 : c.start + c.count + 1]
-            run = ExtendRun(req.row, c.start, feats[: len(nxt)], nxt, req in step.sizes)
+            run = ExtendRun(req.kv.row, c.start, feats[: len(nxt)], nxt, req in step.sizes)
             # with no room for drafts (a full batch), the head skips decoded positions: a gap in its context when
             # drafting resumes; prompt chunks it still reads (a request's whole prompt context)
             if (step.no_room and not c.prompt) or (req.finish is not None and req.finish.type == "abort"):
@@ -270,7 +269,7 @@ class EagleDrafter:
         for req, out in zip(owners, self.extend(runs)):
             if out is not None:
                 tree = req in step.depths
-                seeds[tree].append(DraftSeed(req.row, req.cached_len, *out))
+                seeds[tree].append(DraftSeed(req.kv.row, req.kv.cached_len, *out))
                 drafting[tree].append(req)
         start = time.perf_counter()
         chain_sizes = [step.sizes[r] for r in drafting[False]]

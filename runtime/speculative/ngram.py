@@ -32,7 +32,7 @@ class NgramDrafter:
             index = self.indexes.get(req)
             if index is None:
                 index = self.indexes[req] = NgramIndex(self.min_n, self.max_n)
-            drafts[req] = Draft(index.propose(req.fill_ids, size, settled=req.seq_len - len(req.draft)))
+            drafts[req] = Draft(index.propose(req.fill_ids, size, settled=req.seq_len))
         return Proposal(drafts)
 
     def flush(self) -> None:

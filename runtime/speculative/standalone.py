@@ -111,7 +111,7 @@ class StandaloneDrafter:
     def propose(self, step: DraftStep) -> Proposal:
         for c in step.committed:  # the target wrote these slots: whatever draft K/V they held is not theirs
             if c.count > 0:
-                self.valid[self.table[c.req.row, c.start : c.start + c.count]] = False
+                self.valid[self.table[c.req.kv.row, c.start : c.start + c.count]] = False
                 if c.req in self.done:
                     self.done[c.req] = min(self.done[c.req], c.start)
         reqs = list(step.sizes)
@@ -137,7 +137,7 @@ class StandaloneDrafter:
         """The first position of req's committed ones whose slot holds no draft K/V."""
         known = self.done.get(req)
         if known is None:  # a new request: a prefix from the radix cache may carry draft K/V already
-            ok = self.valid[self.table[req.row, : req.cached_len]]
+            ok = self.valid[self.table[req.kv.row, : req.kv.cached_len]]
             known = int(ok.to(torch.int32).cumprod(0).sum()) if ok.numel() else 0
         return known
 
@@ -147,9 +147,9 @@ class StandaloneDrafter:
         whether a prompt was read (some catch-up started inside the prompt)."""
         ids, positions, out_slots, rows, q_lens, prompt = [], [], [], [], [], False
         for b, req in enumerate(reqs):
-            first, end = self._first_missing(req), req.cached_len
+            first, end = self._first_missing(req), req.kv.cached_len
             fill = req.fill_ids
-            own = self.table[req.row, :end]
+            own = self.table[req.kv.row, :end]
             sampled = torch.tensor([self.scratch + b * self.max_steps])
             ids.extend(fill[first : end + 1])
             positions.append(torch.arange(first, end + 1))
@@ -167,9 +167,9 @@ class StandaloneDrafter:
         positions, out_slots, rows = [], [], []
         for b, req in zip(index, reqs):
             base = self.scratch + b * self.max_steps
-            positions.append(req.cached_len + s)
+            positions.append(req.kv.cached_len + s)
             out_slots.append(base + s)
-            rows.append(torch.cat([self.table[req.row, : req.cached_len], torch.arange(base, base + s + 1)]))
+            rows.append(torch.cat([self.table[req.kv.row, : req.kv.cached_len], torch.arange(base, base + s + 1)]))
         return self._forward(tokens, torch.tensor(positions), torch.tensor(out_slots), rows, [1] * len(reqs), False)
 
     @torch.inference_mode()
@@ -189,7 +189,7 @@ class StandaloneDrafter:
             extend=None if one else group, decode=group if one else None,
             logits_rows=torch.cumsum(q, 0) - 1, batch_invariant=self.batch_invariant, has_prompt=prompt)
         with fb.active():
-            logits = self.model(self.pool)
+            logits, _ = self.model(self.pool)
         self.passes += 1
         picks = logits[:, : self.vocab].argmax(-1)
         return (picks if self.ids is None else self.ids[picks]).tolist()

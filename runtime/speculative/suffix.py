@@ -201,17 +201,16 @@ class SuffixDrafter:
         own = self.own.get(req)
         if own is None:
             own = self.own[req] = _Own(req.origin_input_ids)
-        settled = req.output_len - len(req.draft)
-        if settled > own.indexed_out:
-            own.index.extend(0, req.output_ids[own.indexed_out : settled])
-            own.indexed_out = settled
+        if req.output_len > own.indexed_out:
+            own.index.extend(0, req.output_ids[own.indexed_out :])
+            own.indexed_out = req.output_len
         seq = own.index.seqs[0]
-        return seq[-self.depth :] + req.output_ids[settled:]
+        return seq[-self.depth :] + req.draft.tokens
 
     def release(self, req) -> None:
         """The request's output joins the shared store; its own store goes."""
         self.own.pop(req, None)
-        out = req.output_ids[: req.output_len - len(req.draft)]
+        out = req.output_ids
         if not out or self.max_requests == 0:
             return
         seq = self.next_seq
