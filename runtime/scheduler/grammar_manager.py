@@ -106,8 +106,7 @@ class GrammarManager:
             self.cache = GrammarCache(None, args.grammar_cache_size, new_compiler=lambda: IsolatedCompiler(
                 backend, config, args.grammar_compile_timeout))
             # masks are filled while the forward runs: xgrammar releases the GIL, and a CPU forward leaves
-            # a core idle in its single-threaded stretches (measured here: +5-10% per token overlapped at
-            # batch 32, +16% filled after the forward)
+            # a core idle in its single-threaded stretches, so the fill costs the step little of its time
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask")
         self._key_vocab = None  # each token's text and quotes, for JSON schemas' UniqueKeys (built on first use)
         self.closed = 0  # requests whose grammar was closed early (the model would have written on)
