@@ -187,6 +187,26 @@ def test_qwen_streams_the_same_call_and_text_as_it_comes(qwen):
     assert len(chunks) >= 10 and "".join(chunks) == plain
 
 
+def test_qwen_calls_tools_through_ollamas_api(qwen):
+    """The same call through Ollama's API (the official client): arguments as an object, streamed the same,
+    and the result sent back answered in text."""
+    import ollama
+
+    client = ollama.Client(host=str(qwen.base_url).rstrip("/").removesuffix("/v1"))
+    opts = {"temperature": 0, "num_predict": 96}
+    reply = client.chat(model="default", messages=ASK, tools=[WEATHER], options=opts)
+    call = reply.message.tool_calls[0]
+    assert call.function.name == "get_weather" and "Paris" in call.function.arguments["city"]
+    assert not reply.message.content or "<tool_call>" not in reply.message.content
+    streamed = [c for part in client.chat(model="default", messages=ASK, tools=[WEATHER], options=opts, stream=True)
+                for c in part.message.tool_calls or []]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [(call.function.name, call.function.arguments)]
+    follow = client.chat(model="default", tools=[WEATHER], options={"temperature": 0, "num_predict": 64}, messages=[
+        *ASK, {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_name": "get_weather", "content": '{"temperature_c": 31, "sky": "clear"}'}])
+    assert not follow.message.tool_calls and "31" in follow.message.content
+
+
 def test_tools_beside_a_response_format(qwen):
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "summary": {"type": "string"}},
               "required": ["city", "summary"], "additionalProperties": False}

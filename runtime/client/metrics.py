@@ -61,14 +61,12 @@ class Metrics:
         """One update of a request (st: ReqState, already applied)."""
         n = len(out.new_ids)
         if n:
-            if st.first_token_at is None:
-                st.first_token_at = now
+            if st.prev_token_at is None:  # its first tokens
                 self.ttft.observe(now - st.created)
-            elif st.last_token_at is not None:
-                gap = (now - st.last_token_at) / n
+            else:
+                gap = (now - st.prev_token_at) / n
                 for _ in range(n):
                     self.itl.observe(gap)
-            st.last_token_at = now
         if out.queue_time is not None:
             self.queue.observe(out.queue_time)
 

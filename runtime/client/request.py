@@ -108,8 +108,10 @@ class ReqState:
         self.in_top: list = []
         self.sent = {"out_lp": 0, "out_top": 0, "in_lp": 0, "in_top": 0}  # streamed so far
         self.created = time.perf_counter()
+        # when its first, latest and the latest but one tokens came (a reply's durations, the metrics' gaps)
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.prev_token_at: float | None = None
         self.queue_time: float | None = None
         self.grammar_backend: str | None = None
         self.grammar_narrowed: list[str] = []
@@ -117,8 +119,11 @@ class ReqState:
         self.replica = 0  # the data-parallel replica running it
         self.changed = asyncio.Event()
 
-    def apply(self, so: StrOut) -> None:
+    def apply(self, so: StrOut, now: float) -> None:
         o = so.out
+        if o.new_ids:
+            self.prev_token_at, self.last_token_at = self.last_token_at, now
+            self.first_token_at = now if self.first_token_at is None else self.first_token_at
         self.text += so.text
         self.output_ids += o.new_ids
         self.out_lp += o.output_logprobs

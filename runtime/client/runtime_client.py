@@ -306,7 +306,7 @@ class RuntimeClient:
                     st = self.states.get(so.out.rid)
                     if st is None:
                         continue
-                    st.apply(so)
+                    st.apply(so, now)
                     if so.out.finish is not None and so.out.finish.status == 500:
                         self.abort(so.out.rid)  # the detokenizer failed it: the scheduler may still be generating
                     if self.metrics is not None:

@@ -34,6 +34,10 @@ def error_response(status: int, message: str, type_: str | None = None) -> JSONR
     return JSONResponse(error_body(status, message, type_), status_code=status)
 
 
+def ollama_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
 def served_model_name(args: ServerArgs) -> str:
     return args.served_model_name or os.path.basename(args.model_path.rstrip("/"))
 

@@ -1,8 +1,8 @@
 """The HTTP server: FastAPI on uvicorn, one client of the runtime processes.
 
-The app is SGLang's native API (native_api.py), the OpenAI API (openai_api.py, responses_api.py) and the
-Guard middleware (http_guard.py), with errors as 4xx/5xx and an OpenAI-style body
-`{"error": {"message", "type", "code"}}`; the server keeps serving. `launch_server` starts the runtime and
+The app is SGLang's native API (native_api.py), the OpenAI API (openai_api.py, responses_api.py), Ollama's
+(ollama_api.py) and the Guard middleware (http_guard.py), with errors as 4xx/5xx and an OpenAI-style body
+`{"error": {"message", "type", "code"}}` (Ollama's `{"error": "..."}` on its routes); the server keeps serving. `launch_server` starts the runtime and
 serves until a signal (which drains) or a runtime process's death (which fails loudly).
 """
 
@@ -21,11 +21,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from plait.runtime.client import QueueFull, RequestFailed, RuntimeClient, RuntimeDead
-from plait.runtime.entrypoints.common import (HTTPError, ServerState, error_response, served_model_name,
+from plait.runtime.entrypoints.common import (HTTPError, ServerState, error_response, ollama_error, served_model_name,
                                               validation_message, version)
 from plait.runtime.entrypoints.connections import ConnectionLimits, guarded_protocol
 from plait.runtime.entrypoints.http_guard import BodyError, Guard, default_allowed_hosts
 from plait.runtime.entrypoints.native_api import router as native_router
+from plait.runtime.entrypoints.ollama_api import router as ollama_router
 from plait.runtime.entrypoints.openai_api import router as openai_router
 from plait.runtime.entrypoints.responses_api import router as responses_router
 from plait.runtime.parsers import reasoning_parser, tool_parser
@@ -64,46 +65,53 @@ def create_app(state: ServerState) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=args.origin_list(), allow_methods=["*"],
                            allow_headers=["*"])
 
+    def _error(request: Request, status: int, message: str, type_: str | None = None):
+        """OpenAI's error body, or Ollama's (`{"error": "..."}`) on its routes."""
+        if request.url.path.startswith("/api/"):
+            return ollama_error(status, message)
+        return error_response(status, message, type_)
+
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, e: HTTPError):
-        return error_response(e.status, e.message, e.type)
+        return _error(request, e.status, e.message, e.type)
 
     @app.exception_handler(BodyError)
     async def _body_error(request: Request, e: BodyError):
-        return error_response(e.status, str(e))
+        return _error(request, e.status, str(e))
 
     @app.exception_handler(ValueError)
     async def _value_error(request: Request, e: ValueError):
-        return error_response(400, str(e))
+        return _error(request, 400, str(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _starlette_error(request: Request, e: StarletteHTTPException):  # 404, 405, ...
-        return error_response(e.status_code, str(e.detail))
+        return _error(request, e.status_code, str(e.detail))
 
     @app.exception_handler(RequestFailed)
     async def _failed(request: Request, e: RequestFailed):
-        return error_response(e.status, str(e))
+        return _error(request, e.status, str(e))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, e: Exception):
         logger.error("unhandled error on %s", request.url.path, exc_info=e)
-        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+        return _error(request, 500, f"internal error: {type(e).__name__}: {e}")
 
     @app.exception_handler(QueueFull)
     async def _queue_full(request: Request, e: QueueFull):
-        return error_response(429, str(e))
+        return _error(request, 429, str(e))
 
     @app.exception_handler(RuntimeDead)
     async def _dead(request: Request, e: RuntimeDead):
-        return error_response(503, f"the runtime is down: {e}", "server_error")
+        return _error(request, 503, f"the runtime is down: {e}", "server_error")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
-        return error_response(400, validation_message(e.errors()))
+        return _error(request, 400, validation_message(e.errors()))
 
     app.include_router(native_router)
     app.include_router(openai_router)
     app.include_router(responses_router)
+    app.include_router(ollama_router)
 
     def openapi() -> dict:  # the OpenAI routes read their bodies themselves: add the models they document
         if app.openapi_schema is None:

@@ -96,9 +96,9 @@ def _completion_requests(client: RuntimeClient, req: CompletionRequest) -> tuple
     prompts = _completion_prompts(client, req.prompt)
     msgs = []
     for ids in prompts:
-        max_new = _max_new_tokens(client, len(ids), req.max_tokens)
+        max_new = max_new_tokens(client, len(ids), req.max_tokens)
         for i in range(req.n):
-            msgs.append(_request(client, ids, req.sampling_params(max_new, i), req.logprobs, req.stream))
+            msgs.append(tokenized_request(client, ids, req.sampling_params(max_new, i), req.logprobs, req.stream))
     return msgs, prompts
 
 
@@ -107,7 +107,7 @@ def chat_requests(state: ServerState, req: ChatCompletionRequest) -> tuple[list[
     client = state.client
     text = _chat_prompt(client, req, state.tool_parser)
     ids = client.encode(text, "messages", add_special_tokens=False)
-    max_new = _max_new_tokens(client, len(ids), req.max_completion_tokens or req.max_tokens)
+    max_new = max_new_tokens(client, len(ids), req.max_completion_tokens or req.max_tokens)
     top = (req.top_logprobs or 0) if req.logprobs else None
     reasoning = state.reasoning_parser
     inside = reasoning is not None and text.rstrip().endswith(reasoning.open)
@@ -116,7 +116,7 @@ def chat_requests(state: ServerState, req: ChatCompletionRequest) -> tuple[list[
     except ValueError as e:  # the schema policy's refusal of an embedded schema
         raise HTTPError(400, str(e)) from None
     params = [{**req.sampling_params(max_new, i), **forced} for i in range(req.n)]
-    return [_request(client, ids, params[i], top, req.stream) for i in range(req.n)], inside
+    return [tokenized_request(client, ids, params[i], top, req.stream) for i in range(req.n)], inside
 
 
 _START = int(time.time())
@@ -281,7 +281,7 @@ def _single_token(client: RuntimeClient, text: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
-def _max_new_tokens(client: RuntimeClient, prompt_len: int, requested: int | None) -> int:
+def max_new_tokens(client: RuntimeClient, prompt_len: int, requested: int | None) -> int:
     room = client.limits.context_length - prompt_len
     if room <= 0:
         raise HTTPError(400, f"the prompt has {prompt_len} tokens; this model's context length is "
@@ -294,7 +294,7 @@ def _max_new_tokens(client: RuntimeClient, prompt_len: int, requested: int | Non
     return requested
 
 
-def _request(client: RuntimeClient, ids: list[int], params: dict, top_logprobs: int | None,
+def tokenized_request(client: RuntimeClient, ids: list[int], params: dict, top_logprobs: int | None,
              stream: bool) -> TokenizedGenerateReq:
     msg = TokenizedGenerateReq(f"oai-{uuid.uuid4().hex}", ids, SamplingParams.from_dict(params),
                                return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,

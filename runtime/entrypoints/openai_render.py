@@ -170,7 +170,7 @@ class ChatView(View):
         self.names = {t.function.name for t in req.tools or []}
         self.replies = [ChatReply(self) for _ in states]
 
-    def _message(self, st: ReqState) -> tuple[dict, str | None]:
+    def message(self, st: ReqState) -> tuple[dict, str | None]:
         """The assistant message and finish reason, with reasoning and tool calls parsed out."""
         finish = finish_reason(st)
         if finish == "abort":
@@ -199,7 +199,7 @@ class ChatView(View):
     def final(self) -> dict:
         choices = []
         for i, st in enumerate(self.states):
-            message, finish = self._message(st)
+            message, finish = self.message(st)
             choices.append({"index": i, "message": message, "logprobs": self._logprobs(st.out_lp, st.out_top),
                             "finish_reason": finish})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
