@@ -53,6 +53,8 @@ test: setup $(SGLANG_STAMP)
 	PLAIT_TEST_THREADS=1 $(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 test-slow: setup models test-frameworks
+	@# the chat page's browser test drives Debian's Chromium
+	@command -v chromedriver >/dev/null || apt-get install -y -q chromium chromium-driver >/dev/null
 	@# exit code 5 means no test is marked slow yet
 	PLAIT_TEST_THREADS=1 $(PY) -m pytest -q -m slow tests || [ $$? -eq 5 ]
 

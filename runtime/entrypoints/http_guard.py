@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 from plait.runtime.ipc.limits import MAX_JSON_DEPTH, check_json_value
 
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-_OPEN_PATHS = ("/health",)  # liveness probes need no key
+# liveness probes need no key, nor the chat page's files (chat_page.py), which carry no data
+_OPEN_PATHS = ("/health", "/", "/chat.js", "/chat.css")
 
 
 class BodyError(ValueError):
@@ -85,7 +86,7 @@ def _host_name(host_header: str) -> str:
 
 class Guard:
     """ASGI middleware for every HTTP request: API key (constant-time, scheme case-insensitive;
-    /health stays open), Host and Origin allow-lists, and a byte limit on every request body."""
+    /health and the chat page's files stay open), Host and Origin allow-lists, and a byte limit on every request body."""
 
     def __init__(self, app, api_key: str | None, max_body: int, allowed_hosts: list[str],
                  allowed_origins: list[str]):

@@ -25,6 +25,7 @@ from plait.runtime.entrypoints.common import (HTTPError, ServerState, error_resp
                                               validation_message, version)
 from plait.runtime.entrypoints.connections import ConnectionLimits, guarded_protocol
 from plait.runtime.entrypoints.http_guard import BodyError, Guard, default_allowed_hosts
+from plait.runtime.entrypoints.chat_page import router as chat_page_router
 from plait.runtime.entrypoints.native_api import router as native_router
 from plait.runtime.entrypoints.ollama_api import router as ollama_router
 from plait.runtime.entrypoints.openai_api import router as openai_router
@@ -112,6 +113,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(openai_router)
     app.include_router(responses_router)
     app.include_router(ollama_router)
+    app.include_router(chat_page_router)
 
     def openapi() -> dict:  # the OpenAI routes read their bodies themselves: add the models they document
         if app.openapi_schema is None:
