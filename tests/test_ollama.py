@@ -97,7 +97,7 @@ def test_a_call_and_its_result_sent_back_as_history(ollama_client, name):
     assert answer.prompt_eval_count > text.prompt_eval_count + 10  # the call and its result are in the prompt
 
 
-def test_front_end_requests_and_refusals(http, name):
+def test_front_end_requests_and_refusals(http, server, name):
     # as chat front-ends send it: runtime options and keep_alive along, NDJSON back
     body = {"model": name, "messages": [{"role": "user", "content": "Hi"}], "keep_alive": "5m",
             "options": {"num_ctx": 2048, "num_thread": 2, "num_gpu": 0, "use_mmap": True, "repeat_last_n": 64,
@@ -106,6 +106,12 @@ def test_front_end_requests_and_refusals(http, name):
     assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-ndjson")
     lines = [json.loads(line) for line in r.text.splitlines()]
     assert lines[-1]["done"] and not any(line["done"] for line in lines[:-1])
+    # as LangChain's ChatOllama sends it: every option named, most of them null
+    nulls = {k: None for k in ("mirostat", "mirostat_eta", "mirostat_tau", "num_ctx", "num_gpu", "num_thread",
+                               "repeat_last_n", "repeat_penalty", "tfs_z", "top_k", "top_p", "seed", "stop")}
+    r = http.post("/api/chat", json={**body, "stream": False, "keep_alive": None, "think": None, "tools": [],
+                                     "options": {**nulls, "temperature": 0, "num_predict": 8}})
+    assert r.status_code == 200 and r.json()["done"] and r.json()["eval_count"] <= 8, r.text
     for bad, words in ((dict(body, options={"warmth": 1}), "warmth"),
                        (dict(body, options={"mirostat": 2}), "mirostat"),
                        (dict(body, options={"temperature": "hot"}), "temperature"),
@@ -116,4 +122,8 @@ def test_front_end_requests_and_refusals(http, name):
         route = "/api/generate" if "prompt" in bad else "/api/chat"
         r = http.post(route, json=bad)
         assert 400 <= r.status_code < 500 and words in r.json()["error"], (bad, r.text)
+    import httpx
+
+    keyless = httpx.post(f"{server.url}/api/chat", json=body, timeout=10)
+    assert keyless.status_code == 401 and "API key" in keyless.json()["error"]
     assert http.get("/health").status_code == 200

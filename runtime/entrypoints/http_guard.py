@@ -101,11 +101,13 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         refusal = self._refusal(scope, headers)
+        ollama = scope["path"].startswith("/api/")  # Ollama's routes answer in its error shape
         if refusal is not None:
-            return await _send_json(send, *refusal)
+            return await _send_json(send, *refusal, ollama)
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
-            return await _send_json(send, 413, f"request body of {length} bytes exceeds the limit of {self.max_body}")
+            return await _send_json(send, 413, f"request body of {length} bytes exceeds the limit of {self.max_body}",
+                                    ollama)
         await self.app(scope, self._bounded(receive), send)
 
     def _refusal(self, scope, headers: dict[str, str]) -> tuple[int, str] | None:
@@ -143,8 +145,8 @@ class Guard:
         return bounded_receive
 
 
-async def _send_json(send, status: int, message: str) -> None:
-    body = json.dumps(error_body(status, message)).encode()
+async def _send_json(send, status: int, message: str, ollama: bool = False) -> None:
+    body = json.dumps({"error": message} if ollama else error_body(status, message)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})

@@ -103,7 +103,7 @@ class ToolCall(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "user", "assistant", "tool"]
-    content: str = ""
+    content: str | None = ""  # null beside tool calls, from some clients
     images: list[str] | None = None
     tool_calls: list[ToolCall] | None = None
     tool_name: str | None = None  # a tool result's tool
@@ -154,12 +154,12 @@ class ChatRequest(_Request):
                     n += 1
                 out.append({"role": "assistant", "content": m.content or None, "tool_calls": calls})
             elif m.role == "tool":
-                msg = {"role": "tool", "content": m.content}
+                msg = {"role": "tool", "content": m.content or ""}
                 if pending:
                     msg["tool_call_id"] = pending.pop(0)
                 out.append(msg)
             else:
-                out.append({"role": m.role, "content": m.content})
+                out.append({"role": m.role, "content": m.content or ""})
         return out
 
 
