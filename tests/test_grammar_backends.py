@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import random
 import re
 import time
@@ -90,6 +91,52 @@ def test_json_objects_never_repeat_a_key(backends, tokenizer):
         twin = m.copy()
         m.rollback(2)  # back inside '"a': the key is not written yet
         assert not m.accept_token(close_key) and twin.accept_token(ids(" 1}")[0])
+
+
+def test_a_comma_into_a_forced_repeated_key_is_refused(tokenizer):
+    """A grammar may force a property's name its object already holds (llguidance did, on a schemastore
+    schema): the comma that leads there is refused, in the mask and by accept_token, so the object closes
+    instead of reaching a key no token may finish."""
+    from plait.runtime.constrained.base import token_texts
+    from plait.runtime.constrained.bitmask import allocate_bitmask, allow_only, unpack_bitmask
+    from plait.runtime.constrained.unique_keys import KeyVocab, UniqueKeys
+
+    ids = functools.partial(tokenizer.encode, add_special_tokens=False)
+
+    class TwoDocuments:  # a grammar of '{"a": 1}' and '{"a": 1, "a": 1}': after the comma it forces ' "a": 1'
+        docs = ('{"a": 1}', '{"a": 1, "a": 1}')
+        candidates = [ids(t)[0] for t in (",", "}", ' "', "a", '":', " 1")]
+
+        def __init__(self):
+            self.taken: list[int] = []
+
+        def _text(self, extra=()):
+            return tokenizer.decode(self.taken + list(extra))
+
+        def accept_token(self, t):
+            ok = any(d.startswith(self._text([t])) for d in self.docs)
+            self.taken += [t] if ok else []
+            return ok
+
+        def rollback(self, n):
+            del self.taken[len(self.taken) - n:]
+
+        def jump_forward_string(self):
+            text = self._text()
+            return os.path.commonprefix([d[len(text):] for d in self.docs if d.startswith(text)])
+
+        def fill_bitmask(self, bitmask, row):
+            allow_only(bitmask, row, [t for t in self.candidates
+                                      if any(d.startswith(self._text([t])) for d in self.docs)])
+
+    vocab = KeyVocab.from_texts(tuple(token_texts(tokenizer, len(tokenizer))))
+    m = UniqueKeys(TwoDocuments(), vocab)
+    assert all(m.accept_token(t) for t in ids('{"a": 1'))
+    bitmask = allocate_bitmask(1, len(tokenizer))
+    m.fill_bitmask(bitmask, 0)
+    allowed = unpack_bitmask(bitmask, len(tokenizer))[0].nonzero().flatten().tolist()
+    assert allowed == [ids("}")[0]], [tokenizer.decode([t]) for t in allowed]  # the comma is cleared
+    assert not m.accept_token(ids(",")[0]) and m.accept_token(ids("}")[0])
 
 
 @pytest.mark.parametrize("part", [0] + [pytest.param(k, marks=pytest.mark.slow) for k in range(1, 6)])

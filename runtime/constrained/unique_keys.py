@@ -24,18 +24,21 @@ from plait.runtime.constrained.json_text import CLOSE, INSIDE, OPEN, StringScan
 
 @dataclass(frozen=True)
 class KeyVocab:
-    """Each token's text, and the ids whose text holds at least 1, 2 or 3 quotes (inside a key a token
-    closes it with one quote; outside strings it needs two; inside a value string three)."""
+    """Each token's text, the ids whose text holds at least 1, 2 or 3 quotes (inside a key a token
+    closes it with one quote; outside strings it needs two; inside a value string three), and those holding a
+    comma (which may lead to the next key)."""
 
     texts: tuple[str, ...]
     quoted: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    commas: torch.Tensor
 
     @classmethod
     def from_texts(cls, texts: tuple[str, ...]) -> "KeyVocab":
         counts = [s.count('"') for s in texts]
         ids: Callable[[int], torch.Tensor] = lambda n: torch.tensor(  # noqa: E731
             [i for i, c in enumerate(counts) if c >= n], dtype=torch.long)
-        return cls(texts, (ids(1), ids(2), ids(3)))
+        commas = torch.tensor([i for i, s in enumerate(texts) if "," in s], dtype=torch.long)
+        return cls(texts, (ids(1), ids(2), ids(3)), commas)
 
 
 @dataclass(frozen=True)
@@ -108,9 +111,21 @@ class UniqueKeys(Matcher):
         after = self._state.after(self._text(token))
         if after is None or not self._inner.accept_token(token):
             return False
+        if self._forces_repeat(after):
+            self._inner.rollback(1)
+            return False
         self._history.append(self._state)
         self._state = after
         return True
+
+    def _forces_repeat(self, after: "_Objects") -> bool:
+        """Whether, with the inner matcher just past a token that left `after`, the text the grammar forces next
+        names a key its object holds (a grammar may force a property's name twice): a dead end ahead, so the
+        token is refused."""
+        if not (after.watched and (after.key_next or after.in_key)):
+            return False
+        forced = self._inner.jump_forward_string()
+        return bool(forced) and after.after(forced) is None
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._inner.fill_bitmask(bitmask, row)
@@ -121,6 +136,13 @@ class UniqueKeys(Matcher):
         ids = self._vocab.quoted[quotes - 1]
         ids = ids[allowed_bits(bitmask[row], ids)]
         repeats = [t for t in ids.tolist() if state.after(self._vocab.texts[t]) is None]
+        commas = self._vocab.commas
+        for t in commas[allowed_bits(bitmask[row], commas)].tolist():  # few are allowed at once
+            after = state.after(self._vocab.texts[t])
+            if after is not None and after.key_next and self._inner.accept_token(t):
+                if self._forces_repeat(after):
+                    repeats.append(t)
+                self._inner.rollback(1)
         if repeats:
             clear_bits(bitmask, row, repeats)
 
