@@ -26,19 +26,21 @@ from plait.runtime.constrained.json_text import CLOSE, INSIDE, OPEN, StringScan
 class KeyVocab:
     """Each token's text, the ids whose text holds at least 1, 2 or 3 quotes (inside a key a token
     closes it with one quote; outside strings it needs two; inside a value string three), and those holding a
-    comma (which may lead to the next key)."""
+    comma (which may lead to the next key), and of those the ones also holding a quote (only they leave a string)."""
 
     texts: tuple[str, ...]
     quoted: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     commas: torch.Tensor
+    quoted_commas: torch.Tensor
 
     @classmethod
     def from_texts(cls, texts: tuple[str, ...]) -> "KeyVocab":
         counts = [s.count('"') for s in texts]
         ids: Callable[[int], torch.Tensor] = lambda n: torch.tensor(  # noqa: E731
             [i for i, c in enumerate(counts) if c >= n], dtype=torch.long)
-        commas = torch.tensor([i for i, s in enumerate(texts) if "," in s], dtype=torch.long)
-        return cls(texts, (ids(1), ids(2), ids(3)), commas)
+        commas = [i for i, s in enumerate(texts) if "," in s]
+        return cls(texts, (ids(1), ids(2), ids(3)), torch.tensor(commas, dtype=torch.long),
+                   torch.tensor([i for i in commas if counts[i]], dtype=torch.long))
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,8 @@ class UniqueKeys(Matcher):
         ids = self._vocab.quoted[quotes - 1]
         ids = ids[allowed_bits(bitmask[row], ids)]
         repeats = [t for t in ids.tolist() if state.after(self._vocab.texts[t]) is None]
-        commas = self._vocab.commas
+        # a comma that reaches the next key: in a string, only a token with a quote leaves it
+        commas = self._vocab.quoted_commas if state.in_string else self._vocab.commas
         for t in commas[allowed_bits(bitmask[row], commas)].tolist():  # few are allowed at once
             after = state.after(self._vocab.texts[t])
             if after is not None and after.key_next and self._inner.accept_token(t):

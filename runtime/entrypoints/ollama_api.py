@@ -28,7 +28,7 @@ from plait.runtime.entrypoints.common import (HTTPError, ServerState, constraine
                                               server_state, started, validation_message)
 from plait.runtime.entrypoints.http_guard import shown
 from plait.runtime.entrypoints.ollama_protocol import ChatRequest, GenerateRequest, ShowRequest
-from plait.runtime.entrypoints.openai_api import chat_requests, max_new_tokens, tokenized_request
+from plait.runtime.entrypoints.openai_api import chat_prompt, chat_requests, max_new_tokens, tokenized_request
 from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest
 from plait.runtime.entrypoints.openai_render import ChatView
 
@@ -241,16 +241,12 @@ async def generate(request: Request, state: ServerState = Depends(server_state))
 def _generate_request(state: ServerState, req: GenerateRequest):
     """The prompt (templated as one user turn, after `system`, unless raw) after any earlier context's ids."""
     client = state.client
-    fields = req.openai_fields()
-    if req.raw:
-        ids = client.encode(req.prompt, "prompt", add_special_tokens=False) if req.prompt else []
-    else:
-        messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
-                   [{"role": "user", "content": req.prompt}]
-        creq = ChatCompletionRequest.model_validate({"messages": messages, **fields})
-        ids = list(chat_requests(state, creq)[0][0].input_ids)
-    ids = list(req.context or []) + ids
-    creq = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "-"}], **fields})
+    messages = ([{"role": "system", "content": req.system}] if req.system else []) + \
+               [{"role": "user", "content": req.prompt or " " if req.raw else req.prompt}]
+    # the turn as a chat request: its sampling parameters, and unless raw its template
+    creq = ChatCompletionRequest.model_validate({"messages": messages, **req.openai_fields()})
+    text = req.prompt if req.raw else chat_prompt(client, creq, state.tool_parser)
+    ids = list(req.context or []) + (client.encode(text, "prompt", add_special_tokens=False) if text else [])
     params = creq.sampling_params(max_new_tokens(client, len(ids), creq.max_tokens), 0)
     return tokenized_request(client, ids, params, None, req.stream)
 

@@ -105,7 +105,7 @@ def _completion_requests(client: RuntimeClient, req: CompletionRequest) -> tuple
 def chat_requests(state: ServerState, req: ChatCompletionRequest) -> tuple[list[TokenizedGenerateReq], bool]:
     """The requests of a chat body, and whether the prompt opened a reasoning block (the reply starts in it)."""
     client = state.client
-    text = _chat_prompt(client, req, state.tool_parser)
+    text = chat_prompt(client, req, state.tool_parser)
     ids = client.encode(text, "messages", add_special_tokens=False)
     max_new = max_new_tokens(client, len(ids), req.max_completion_tokens or req.max_tokens)
     top = (req.top_logprobs or 0) if req.logprobs else None
@@ -150,7 +150,7 @@ def _completion_prompts(client: RuntimeClient, prompt) -> list[list[int]]:
     return out
 
 
-def _chat_prompt(client: RuntimeClient, req: ChatCompletionRequest, parser: ToolCallParser) -> str:
+def chat_prompt(client: RuntimeClient, req: ChatCompletionRequest, parser: ToolCallParser) -> str:
     tok = client.tokenizer
     if tok is None or not getattr(tok, "chat_template", None):
         raise HTTPError(400, "this model has no chat template: use /v1/completions")
