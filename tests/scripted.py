@@ -18,7 +18,7 @@ import torch
 
 from plait.radix_cache.memory_pool import KVAllocator, ReqToTokenPool
 from plait.runtime.ipc.messages import TokenizedGenerateReq
-from plait.runtime.forward.batch import tree_depths
+from plait.runtime.forward.batch import FINAL_HIDDEN, tree_depths
 from plait.runtime.model_executor.model_runner import ForwardOutput, WorkItem
 from plait.runtime.sampling import SamplingParams
 from plait.runtime.scheduler.scheduler import Scheduler
@@ -53,6 +53,15 @@ def varied(ctx: tuple[int, ...]) -> torch.Tensor:
     return torch.rand(default_vocab()[1], generator=g)
 
 
+HIDDEN = 3  # the scripted "final hidden state" of a token: (its id, its position, 1)
+
+
+def hidden_states(item: WorkItem) -> torch.Tensor:
+    """[len(tokens), HIDDEN]: what an embedding pools, known exactly (a mean over chunks can be checked)."""
+    pos = torch.arange(item.cached_len, item.cached_len + len(item.tokens), dtype=torch.float32)
+    return torch.stack([torch.tensor(item.tokens, dtype=torch.float32), pos, torch.ones_like(pos)], dim=1)
+
+
 class ScriptedRunner:
     """What Scheduler reads of a ModelRunner, with a scripted forward."""
 
@@ -60,7 +69,8 @@ class ScriptedRunner:
                  context_length: int = 2048, page_size: int = 1):
         self.script = script
         self.tokenizer, vocab_size, eos = default_vocab()
-        self.config = SimpleNamespace(vocab_size=vocab_size, eos_token_ids=eos)
+        self.config = SimpleNamespace(vocab_size=vocab_size, eos_token_ids=eos, causal=True, hidden_size=HIDDEN,
+                                      matryoshka=False, pooling="last")
         self.context_length = context_length
         self.allocator = KVAllocator(num_slots, page_size)
         self.req_to_token = ReqToTokenPool(max_running_requests + 8, context_length + 1)
@@ -74,8 +84,8 @@ class ScriptedRunner:
         return {}
 
     def forward(self, items: list[WorkItem], capture: tuple[int, ...] = ()) -> ForwardOutput:
-        if capture:
-            raise NotImplementedError("the scripted runner has no features to capture (EAGLE)")
+        if capture not in ((), (FINAL_HIDDEN,)):
+            raise NotImplementedError("the scripted runner has no layers to capture (EAGLE)")
         if self.fail_next is not None:
             err, self.fail_next = self.fail_next, None
             raise err
@@ -88,7 +98,8 @@ class ScriptedRunner:
             self.slot_token[slots] = torch.tensor(it.tokens, dtype=torch.int64)
             for off in it.logit_offsets:
                 rows.append(self._logits(self._context(row, it, off)))
-        return ForwardOutput(torch.stack(rows) if rows else torch.zeros(0, self.config.vocab_size))
+        logits = torch.stack(rows) if rows else torch.zeros(0, self.config.vocab_size)
+        return ForwardOutput(logits, [hidden_states(it) for it in items] if capture else None)
 
     def _context(self, row: torch.Tensor, it: WorkItem, off: int) -> tuple[int, ...]:
         """The tokens position `off` of the item attends to, read back from the KV slots."""

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from plait.runtime.models.llama import FINAL_HIDDEN
+from plait.runtime.forward.batch import FINAL_HIDDEN
 from plait.runtime.speculative.eagle import EagleConfig, default_aux_layers, load_eagle_head, new_head, save_eagle_head
 from plait.runtime.speculative.eagle_worker import DraftSeed, EagleDrafter, ExtendRun
 

@@ -448,3 +448,35 @@ def test_suffix_drafts_an_answer_given_before_from_the_shared_store():
     assert sched.speculation.stats()["spec_suffix"]["drafts_shared"] > shared
     last = again["r0"]["last"]
     assert last.spec_accepted > 0.8 * last.spec_drafted and 1 + last.spec_accepted / last.spec_verify_ct > 3
+
+
+def _embed(rid: str, prompt: list[int], pooling: str) -> "TokenizedGenerateReq":
+    from plait.runtime.ipc.messages import EmbedSpec, TokenizedGenerateReq
+    from plait.runtime.sampling import SamplingParams
+
+    return TokenizedGenerateReq(rid, list(prompt), SamplingParams(max_new_tokens=0), embed=EmbedSpec(pooling))
+
+
+def test_embeddings_pool_chunked_prompts_and_read_only_what_they_may_from_the_cache():
+    """The scripted final state of a token is (id, position, 1): mean pooling over a prompt computed in 16-token
+    chunks is the mean over all its tokens, last and CLS pooling its last and first token's; they run beside a
+    decoding request. Again on the same prompt: last-token pooling takes its prefix from the cache, mean pooling
+    computes everything."""
+    sched, outs = scheduler(SCRIPT, chunked_prefill_size=16)
+    p = prompts(1, 50, seed=9)[0]
+    want = {"mean": [sum(p) / 50, 24.5, 1.0], "last": [p[-1], 49.0, 1.0], "cls": [p[0], 0.0, 1.0]}
+    sched.add_request(msg("gen", p[:20], max_new_tokens=8))
+    for pooling in want:
+        sched.add_request(_embed(pooling, p, pooling))
+    results = drain(sched, outs)
+    assert results["gen"]["ids"] == reference(SCRIPT, p[:20], 8)
+    for k in want:
+        assert results[k]["last"].embedding == pytest.approx(want[k])
+        assert results[k]["ids"] == [] and results[k]["finish"].type == "stop"
+    assert results["gen"]["last"].embedding is None
+    for pooling in ("mean", "last"):
+        sched.add_request(_embed(f"{pooling}2", p, pooling))
+    again = {k: r["last"] for k, r in drain(sched, outs).items()}
+    assert again["last2"].embedding == pytest.approx(want["last"]) and again["last2"].cached_tokens == 49
+    assert again["mean2"].embedding == pytest.approx(want["mean"]) and again["mean2"].cached_tokens == 0
+    assert sched.kv.check() is None

@@ -103,6 +103,10 @@ class Backend(ABC):
                temperature: float, call: Call = Call()) -> tuple[int, dict]:
         """Pick one of `choices` as the continuation of `prompt`; returns (index, meta_info)."""
 
+    def embed(self, texts: list[str], model: str | None = None) -> list[list[float]]:
+        """The texts' embeddings (L2-normalized), in order; `model`: the server's model that embeds."""
+        raise NotImplementedError(f"{type(self).__name__} serves no embeddings")
+
     def cache_prefix(self, prompt: str, call: Call = Call()) -> None:
         """Compute `prompt` once so later requests that extend it hit the prefix cache."""
 

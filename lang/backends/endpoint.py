@@ -100,6 +100,10 @@ class RuntimeEndpoint(Backend):
             unc = self._choice_logprobs(unconditional_context(prompt), choices, Call())
         return choose(method, lps, unc)
 
+    def embed(self, texts: list[str], model: str | None = None) -> list[list[float]]:
+        out = self._post({"input": texts, **({"model": model} if model else {})}, "/v1/embeddings")
+        return [d["embedding"] for d in sorted(out["data"], key=lambda d: d["index"])]
+
     def cache_prefix(self, prompt: str, call: Call = Call()) -> None:
         self._post({"text": prompt, "sampling_params": {"max_new_tokens": 0}, **call.join_fields()})
 

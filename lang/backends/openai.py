@@ -75,5 +75,9 @@ class OpenAI(Backend):
         self.token_usage.add({"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens})
         return index, {"scores": scores, "method": "first_token_logprob"}
 
+    def embed(self, texts: list[str], model: str | None = None) -> list[list[float]]:
+        res = self.client.embeddings.create(model=model or self.model, input=texts, encoding_format="float")
+        return [d.embedding for d in sorted(res.data, key=lambda d: d.index)]
+
     def get_model_name(self) -> str:
         return self.model

@@ -66,6 +66,9 @@ class Runtime(Backend):
         self.token_usage.add(meta)
         return index, meta
 
+    def embed(self, texts: list[str], model: str | None = None) -> list[list[float]]:
+        return self.engine.embed(texts, model=model)
+
     def cache_prefix(self, prompt: str, call: Call = Call()) -> None:
         self.engine.generate(prompt, {"max_new_tokens": 0}, **call.join_fields())
 

@@ -117,6 +117,7 @@ class ReqState:
         self.grammar_narrowed: list[str] = []
         self.spec = (0, 0, 0)  # forwards that verified a speculative draft, its tokens verified, kept
         self.replica = 0  # the data-parallel replica running it
+        self.embedding: list[float] | None = None  # an embedding request's pooled state (unnormalized)
         self.changed = asyncio.Event()
 
     def apply(self, so: StrOut, now: float) -> None:
@@ -138,6 +139,8 @@ class ReqState:
             self.queue_time = o.queue_time
         self.grammar_backend = o.grammar_backend or self.grammar_backend
         self.grammar_narrowed = o.grammar_narrowed or self.grammar_narrowed
+        if o.embedding is not None:
+            self.embedding = o.embedding
         if o.finish is not None:
             self.finish = o.finish
         self.changed.set()

@@ -35,9 +35,10 @@ from plait.runtime.ipc.messages import (
     ToClient,
 )
 from plait.runtime.launch.launcher import RuntimeProcesses
-from plait.runtime.ipc.limits import check_kv_joins, check_request_work, validate_request
+from plait.runtime.ipc.limits import RuntimeLimits, check_kv_joins, check_request_work, validate_request
 from plait.runtime.client.request import (GenerateInput, QueueFull, ReqState, RequestFailed, RuntimeDead,
                                           raise_if_rejected)
+from plait.runtime.client.embeddings import EmbedInput, finish_vector
 from plait.runtime.client.result import sglang_result
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class RuntimeClient:
         self.args = rt.args
         self.tokenizer = rt.tokenizer
         self.limits = rt.limits
+        # the --embedding-model's (None: there is none)
+        self.encoder_limits, self.encoder_tokenizer = rt.encoder_limits, rt.encoder_tokenizer
         self.metrics = metrics
         self.on_death = on_death
         self.ctx = zmq.asyncio.Context()
@@ -74,6 +77,8 @@ class RuntimeClient:
         self._dec = msgspec.msgpack.Decoder(ToClient)
         self.states: dict[str, ReqState] = {}
         self._max_prompt_chars = _max_prompt_chars(self.tokenizer, self.limits.context_length)
+        self._encoder_max_chars = (_max_prompt_chars(self.encoder_tokenizer, self.encoder_limits.context_length)
+                                   if self.encoder_limits else 0)
         self._replies: dict[str, asyncio.Future] = {}
         self._replica_stats: dict[int, SchedulerStats] = {}
         self.dead: str | None = None
@@ -114,15 +119,64 @@ class RuntimeClient:
             msgs.append(msg)
         return msgs
 
+    def embedding_limits(self, encoder: bool) -> RuntimeLimits:
+        """What an embedding request must fit: the --embedding-model's (encoder) or the main model's."""
+        if encoder and self.encoder_limits is None:
+            raise ValueError("this server has no embedding model (--embedding-model-path)")
+        return self.encoder_limits if encoder else self.limits
+
+    async def embed(self, inp: EmbedInput) -> tuple[list[list[float]], list[int]]:
+        """The inputs' embeddings (L2-normalized, in input order) and each one's tokens."""
+        limits = self.embedding_limits(inp.encoder)
+        tokenizer = self.encoder_tokenizer if inp.encoder else self.tokenizer
+        if inp.texts is not None and tokenizer is None:
+            raise ValueError("text needs a tokenizer (the server runs with skip_tokenizer_init): send token ids")
+        long = inp.texts is not None and sum(len(t) for t in inp.texts) >= _THREAD_TOKENIZE_CHARS
+        tokenize = lambda text, cut: self._embed_tokens(text, cut, inp.encoder)  # noqa: E731
+        make = lambda: inp.messages(tokenize, limits.context_length)  # noqa: E731
+        msgs = await asyncio.to_thread(make) if long else make()
+        for m in msgs:
+            validate_request(m, limits)
+        states = self.submit(msgs, check_work=False)
+        try:
+            await asyncio.gather(*(self._wait(st) for st in states))
+        finally:
+            for st in states:
+                if st.finish is None:
+                    self.abort(st.msg.rid)
+        for st in states:
+            raise_if_rejected(st)
+            if st.embedding is None:
+                raise RequestFailed(500, f"the request ended ({st.finish.to_json()}) without an embedding")
+        vectors = [finish_vector(st.embedding, inp.dimensions) for st in states]
+        return vectors, [len(m.input_ids) for m in msgs]
+
+    def _embed_tokens(self, text: str, truncate_to: int | None, encoder: bool) -> list[int]:
+        """A text's ids for an embedding; cut to `truncate_to` tokens where given (by the tokenizer where it
+        can: an encoder's closing [SEP] stays)."""
+        tokenizer = self.encoder_tokenizer if encoder else self.tokenizer
+        most = self._encoder_max_chars if encoder else self._max_prompt_chars
+        if len(text) > most:
+            if truncate_to is None:
+                context = self.embedding_limits(encoder).context_length
+                raise ValueError(f"input has {len(text)} characters, more than fit the model's context length of "
+                                 f"{context} tokens")
+            text = text[:most]  # its first truncate_to tokens are in here
+        if truncate_to is not None and hasattr(tokenizer, "num_special_tokens_to_add"):  # a transformers tokenizer
+            return tokenizer.encode(text, truncation=True, max_length=truncate_to)
+        ids = tokenizer.encode(text)
+        return ids[:truncate_to] if truncate_to is not None else ids
+
     def submit(self, msgs: list[TokenizedGenerateReq], text_in_logprobs: bool = False,
-               replica: int | None = None) -> list[ReqState]:
+               replica: int | None = None, check_work: bool = True) -> list[ReqState]:
         """Send one request's sequences (to `replica`, or the one `_pick_replica` chooses). Everything
         that can refuse them runs before anything is registered or sent, so a refused request leaves
         nothing behind."""
         self._check_alive()
         if self.draining:
             raise RequestFailed(503, "the server is shutting down")
-        check_request_work(msgs, self.args, self.limits)
+        if check_work:  # embeddings generate nothing: their count has a limit of its own (embeddings.MAX_INPUTS)
+            check_request_work(msgs, self.args, self.limits)
         cap = self.args.max_running_requests * self.args.dp_size + self.args.max_queued_requests
         if self.args.max_queued_requests >= 0 and len(self.states) + len(msgs) > cap:
             raise QueueFull(f"too many requests in flight ({len(self.states)}); the queue limit is "

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from plait.runtime.client import QueueFull, RequestFailed, RuntimeClient, RuntimeDead
+from plait.runtime.client.embeddings import encoder_names, uses_encoder
 from plait.runtime.entrypoints.http_guard import error_body, parse_json_body, shown
 from plait.runtime.launch.launcher import RuntimeProcesses
 from plait.runtime.parsers import ReasoningParser, ToolCallParser
@@ -56,6 +57,10 @@ class ServerState:
         # names an OpenAI request may give for the one model served (others get a 404, as in vLLM)
         base = os.path.basename(args.model_path.rstrip("/"))
         self.model_aliases = {self.model_name, "default", args.model_path, base, os.path.splitext(base)[0]}
+        # the --embedding-model's name and the names a request may give it (none: there is none)
+        self.encoder_aliases = encoder_names(args.embedding_model_path)
+        self.encoder_name = (os.path.basename(args.embedding_model_path.rstrip("/")) if args.embedding_model_path
+                             else None)
         self.on_death = lambda why: None  # replaced by launch_server to stop the process
         self.shutting_down = False
         self.responses = None  # the Responses API's stored responses (responses_api._Store, made on first use)
@@ -178,3 +183,13 @@ def version() -> str:
         return version("plait")
     except PackageNotFoundError:
         return "0"
+
+
+def embedding_model(state: ServerState, model: str | None) -> bool:
+    """Whether a request naming `model` is embedded by the --embedding-model (else by the main model); a 404 for
+    a name neither has."""
+    try:
+        return uses_encoder(model, state.encoder_aliases, state.model_aliases)
+    except LookupError:
+        served = ", ".join(f"`{n}`" for n in [state.model_name, state.encoder_name] if n)
+        raise HTTPError(404, f"The model `{shown(model)}` does not exist (this server serves {served}).") from None

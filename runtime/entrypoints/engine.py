@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from typing import Any, AsyncIterator, Iterator
 
 from plait.runtime.launch.launcher import launch_runtime
 from plait.runtime.server_args import ServerArgs
-from plait.runtime.client import GenerateInput, RuntimeClient
+from plait.runtime.client import EmbedInput, GenerateInput, RuntimeClient
+from plait.runtime.client.embeddings import encoder_names, native_result, uses_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,34 @@ class Engine:
             return self._astream(inp)
         coro = self.client.first(self.client.generate(inp))
         return self._checked(await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop)))
+
+    def embed(self, input: str | list[str] | list[int] | list[list[int]], dimensions: int | None = None,
+              truncate: bool = False, pooling: str | None = None, model: str | None = None) -> list[list[float]]:
+        """The embeddings of the inputs (texts or token id lists; a single string is one input), L2-normalized,
+        in input order. `pooling`: "last", "mean" or "cls" (default: the model's); `truncate`: cut inputs longer
+        than the context instead of refusing them; `model`: the main model's name or the --embedding-model's
+        (default: the embedding model where there is one)."""
+        encoder = self._embedder(model)
+        inp = EmbedInput.of(input, self.client.embedding_limits(encoder), dimensions=dimensions, truncate=truncate,
+                            pooling=pooling, encoder=encoder)
+        return self._checked(self._run(self.client.embed(inp)))[0]
+
+    def _embedder(self, model: str | None) -> bool:
+        args = self.args
+        main = {args.model_path, os.path.basename(args.model_path.rstrip("/")), args.served_model_name} - {None}
+        try:
+            return uses_encoder(model, encoder_names(args.embedding_model_path), main)
+        except LookupError:
+            raise ValueError(f"model {model!r} is neither the main model nor the embedding model") from None
+
+    def encode(self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None,
+               dimensions: int | None = None) -> dict | list[dict]:
+        """SGLang's Engine.encode: {"embedding", "meta_info"} for one prompt, a list of them for a batch."""
+        value = prompt if prompt is not None else input_ids
+        encoder = self._embedder(None)
+        inp = EmbedInput.of(value, self.client.embedding_limits(encoder), "prompt" if prompt is not None else "input_ids",
+                            dimensions, encoder=encoder)
+        return native_result(value, *self._checked(self._run(self.client.embed(inp))))
 
     def abort(self, rid: str) -> None:
         self._loop.call_soon_threadsafe(self.client.abort, rid)

@@ -1,6 +1,7 @@
 """The HTTP server: FastAPI on uvicorn, one client of the runtime processes.
 
-The app is SGLang's native API (native_api.py), the OpenAI API (openai_api.py, responses_api.py), Ollama's
+The app is SGLang's native API (native_api.py), the OpenAI API (openai_api.py, responses_api.py), embeddings
+(embeddings_api.py), Ollama's
 (ollama_api.py) and the Guard middleware (http_guard.py), with errors as 4xx/5xx and an OpenAI-style body
 `{"error": {"message", "type", "code"}}` (Ollama's `{"error": "..."}` on its routes); the server keeps serving. `launch_server` starts the runtime and
 serves until a signal (which drains) or a runtime process's death (which fails loudly).
@@ -26,6 +27,7 @@ from plait.runtime.entrypoints.common import (HTTPError, ServerState, error_resp
 from plait.runtime.entrypoints.connections import ConnectionLimits, guarded_protocol
 from plait.runtime.entrypoints.http_guard import BodyError, Guard, default_allowed_hosts
 from plait.runtime.entrypoints.chat_page import router as chat_page_router
+from plait.runtime.entrypoints.embeddings_api import router as embeddings_router
 from plait.runtime.entrypoints.native_api import router as native_router
 from plait.runtime.entrypoints.ollama_api import router as ollama_router
 from plait.runtime.entrypoints.openai_api import router as openai_router
@@ -110,6 +112,7 @@ def create_app(state: ServerState) -> FastAPI:
         return _error(request, 400, validation_message(e.errors()))
 
     app.include_router(native_router)
+    app.include_router(embeddings_router)
     app.include_router(openai_router)
     app.include_router(responses_router)
     app.include_router(ollama_router)

@@ -2,7 +2,8 @@
 
 An adapter, not a second server: `/api/chat` becomes an OpenAI chat request (the chat template, tools through the
 tool-call layer, `format` through the grammars, `options` as sampling) and its reply is read back into Ollama's
-shape; `/api/generate` is a completion of the templated prompt (or the raw one). Replies stream as NDJSON unless
+shape; `/api/generate` is a completion of the templated prompt (or the raw one); `/api/embed` (and the older
+`/api/embeddings`) the inputs' embeddings (embeddings_api.py). Replies stream as NDJSON unless
 `stream` is false; errors are `{"error": "..."}` as Ollama's are. One model is served: `/api/tags`, `/api/ps` and
 `/api/show` describe it under a name Ollama's apps can send back (`<name>:latest`; the OpenAI names work too)."""
 
@@ -27,7 +28,10 @@ from plait.runtime.client.request import ReqState
 from plait.runtime.entrypoints.common import (HTTPError, ServerState, constrained, first_or_disconnect, read_json,
                                               server_state, started, validation_message)
 from plait.runtime.entrypoints.http_guard import shown
-from plait.runtime.entrypoints.ollama_protocol import ChatRequest, GenerateRequest, ShowRequest
+from plait.runtime.client import EmbedInput
+from plait.runtime.entrypoints.embeddings_api import embedded
+from plait.runtime.entrypoints.ollama_protocol import (ChatRequest, EmbedRequest, GenerateRequest,
+                                                       LegacyEmbeddingsRequest, ShowRequest)
 from plait.runtime.entrypoints.openai_api import chat_prompt, chat_requests, max_new_tokens, tokenized_request
 from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest
 from plait.runtime.entrypoints.openai_render import ChatView
@@ -51,13 +55,22 @@ def _check_model(state: ServerState, name: str) -> None:
     raise HTTPError(404, f"model '{shown(name)}' not found (this server serves '{ollama_name(state)}')")
 
 
-async def _body(request: Request, model: type[BaseModel], state: ServerState):
+def _embedder(state: ServerState, name: str) -> bool:
+    """Whether /api/embed's `model` is the --embedding-model (else the main model)."""
+    if name.removesuffix(":latest") in state.encoder_aliases:
+        return True
+    _check_model(state, name)
+    return False
+
+
+async def _body(request: Request, model: type[BaseModel], state: ServerState, check_model: bool = True):
     body = await read_json(request)
     try:
         req = model.model_validate(body, strict=True)
     except ValidationError as e:
         raise HTTPError(400, validation_message(e.errors(include_url=False))) from None
-    _check_model(state, req.model_name() if isinstance(req, ShowRequest) else req.model)
+    if check_model:
+        _check_model(state, req.model_name() if isinstance(req, ShowRequest) else req.model)
     return req
 
 
@@ -93,10 +106,20 @@ def _size(path: str) -> int:
 
 
 def _entry(state: ServerState) -> dict[str, Any]:
-    path = state.args.model_path
-    name = ollama_name(state)
+    return _model_entry(state.args.model_path, ollama_name(state))
+
+
+def _model_entry(path: str, name: str) -> dict[str, Any]:
     return {"name": name, "model": name, "modified_at": _STARTED.isoformat(), "size": _size(path),
             "digest": hashlib.sha256(os.path.abspath(path).encode()).hexdigest(), "details": _details(path)}
+
+
+def _entries(state: ServerState) -> list[dict[str, Any]]:
+    """The main model, and the --embedding-model where there is one."""
+    out = [_entry(state)]
+    if state.encoder_name is not None:
+        out.append(_model_entry(state.args.embedding_model_path, f"{state.encoder_name}:latest"))
+    return out
 
 
 # ---- the model ---------------------------------------------------------------------------------------------
@@ -107,7 +130,7 @@ async def ollama_version():
 
 @router.get("/api/tags")
 async def tags(state: ServerState = Depends(server_state)):
-    return {"models": [await asyncio.to_thread(_entry, state)]}
+    return {"models": await asyncio.to_thread(_entries, state)}
 
 
 @router.get("/api/ps")
@@ -120,16 +143,22 @@ async def ps(state: ServerState = Depends(server_state)):
 
 @router.post("/api/show")
 async def show(request: Request, state: ServerState = Depends(server_state)):
-    await _body(request, ShowRequest, state)
-    entry = await asyncio.to_thread(_entry, state)
-    tok = state.client.tokenizer
+    req = await _body(request, ShowRequest, state, check_model=False)
+    encoder = _embedder(state, req.model_name())
+    if encoder:
+        entry = await asyncio.to_thread(_model_entry, state.args.embedding_model_path, f"{state.encoder_name}:latest")
+    else:
+        entry = await asyncio.to_thread(_entry, state)
+    tok = state.client.encoder_tokenizer if encoder else state.client.tokenizer
+    limits = state.client.embedding_limits(encoder)
     template = getattr(tok, "chat_template", None)
     details = entry["details"]
-    capabilities = ["completion", "tools"]  # every model takes tools through plait's tool-call layer
+    # every model takes tools through plait's tool-call layer; an encoder only embeds
+    capabilities = ["completion", "tools"] if limits.generates else ["embedding"]
     return {"license": "", "modelfile": f"FROM {state.args.model_path}\n", "parameters": "",
             "template": template if isinstance(template, str) else "", "details": details,
             "model_info": {"general.architecture": details["family"], "general.parameter_count": None,
-                           f"{details['family'] or 'model'}.context_length": state.client.limits.context_length},
+                           f"{details['family'] or 'model'}.context_length": limits.context_length},
             "capabilities": capabilities, "modified_at": entry["modified_at"]}
 
 
@@ -283,3 +312,30 @@ async def _ndjson(lines: AsyncIterator[dict]) -> AsyncIterator[bytes]:
         yield json.dumps({"error": f"internal error: {type(e).__name__}: {e}"}).encode() + b"\n"
     finally:
         await lines.aclose()
+
+
+# ---- embeddings --------------------------------------------------------------------------------------------
+@router.post("/api/embed")
+async def embed(request: Request, state: ServerState = Depends(server_state)):
+    req = await _body(request, EmbedRequest, state, check_model=False)
+    encoder = _embedder(state, req.model)
+    start = time.perf_counter()
+    out: dict[str, Any] = {"model": req.model, "embeddings": []}
+    if req.input in (None, "", []):  # nothing to embed: Ollama's way to load the model
+        return out
+    inp = EmbedInput.of(req.input, state.client.embedding_limits(encoder), dimensions=req.dimensions,
+                        truncate=req.truncate, encoder=encoder)
+    vectors, tokens = await embedded(request, state.client, inp)
+    return {**out, "embeddings": vectors, "total_duration": int((time.perf_counter() - start) * 1e9),
+            "load_duration": 0, "prompt_eval_count": sum(tokens)}
+
+
+@router.post("/api/embeddings")
+async def embeddings_legacy(request: Request, state: ServerState = Depends(server_state)):
+    req = await _body(request, LegacyEmbeddingsRequest, state, check_model=False)
+    encoder = _embedder(state, req.model)
+    if not req.prompt:
+        return {"embedding": []}
+    inp = EmbedInput.of(req.prompt, state.client.embedding_limits(encoder), "prompt", truncate=True, encoder=encoder)
+    vectors, _ = await embedded(request, state.client, inp)
+    return {"embedding": vectors[0]}

@@ -192,3 +192,24 @@ class ShowRequest(_Strict):
         if not (self.model or self.name):
             raise ValueError("model is required")
         return self.model or self.name
+
+
+class EmbedRequest(_Strict):
+    """/api/embed: `input` a string or a list of strings (none: a load); inputs longer than the context are cut
+    to it unless `truncate` is false."""
+
+    model: str
+    input: str | list[str] | None = None
+    truncate: bool = True
+    dimensions: int | None = None
+    options: Options | None = None  # sampling options change nothing here
+    keep_alive: str | int | float | None = None
+
+
+class LegacyEmbeddingsRequest(_Strict):
+    """/api/embeddings (Ollama's older route): one `prompt`."""
+
+    model: str
+    prompt: str = ""
+    options: Options | None = None
+    keep_alive: str | int | float | None = None

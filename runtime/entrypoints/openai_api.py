@@ -31,15 +31,15 @@ from plait.runtime.entrypoints.openai_render import ChatView, CompletionView, Vi
 from plait.runtime.parsers import ToolCallParser
 
 
-async def parse_body(request: Request, model: type[BaseModel], state: ServerState):
+async def parse_body(request: Request, model: type[BaseModel], state: ServerState, check_model: bool = True):
     """The body as `model`, strictly (no bool for an int, no string for a number); a 400 names each
-    field, a 404 a model that is not served."""
+    field, a 404 a model that is not served (unless the caller checks it)."""
     body = await read_json(request)
     try:
         req = model.model_validate(body, strict=True)
     except ValidationError as e:
         raise HTTPError(400, validation_message(e.errors(include_url=False))) from None
-    if req.model is not None and req.model not in state.model_aliases:
+    if check_model and req.model is not None and req.model not in state.model_aliases:
         raise HTTPError(404, f"The model `{shown(req.model)}` does not exist (this server serves "
                             f"`{state.model_name}`).")
     return req
@@ -64,9 +64,13 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def models(state: ServerState = Depends(server_state)):
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": _START,
-                                        "owned_by": "plait", "root": state.args.model_path,
-                                        "max_model_len": state.client.limits.context_length}]}
+    data = [{"id": state.model_name, "object": "model", "created": _START, "owned_by": "plait",
+             "root": state.args.model_path, "max_model_len": state.client.limits.context_length}]
+    if state.encoder_name is not None:  # the --embedding-model
+        data.append({"id": state.encoder_name, "object": "model", "created": _START, "owned_by": "plait",
+                     "root": state.args.embedding_model_path,
+                     "max_model_len": state.client.encoder_limits.context_length})
+    return {"object": "list", "data": data}
 
 
 @router.post("/v1/completions", openapi_extra=body_doc(CompletionRequest))
@@ -152,6 +156,8 @@ def _completion_prompts(client: RuntimeClient, prompt) -> list[list[int]]:
 
 def chat_prompt(client: RuntimeClient, req: ChatCompletionRequest, parser: ToolCallParser) -> str:
     tok = client.tokenizer
+    if not client.limits.generates:
+        raise HTTPError(400, "this model computes embeddings only (/v1/embeddings, /encode, /api/embed)")
     if tok is None or not getattr(tok, "chat_template", None):
         raise HTTPError(400, "this model has no chat template: use /v1/completions")
     renders_tools = "tools" in tok.chat_template

@@ -424,3 +424,14 @@ class ResponsesRequest(_Strict):
         if self.background and not self.store:
             raise ValueError("background responses must be stored (store: true)")
         return self
+
+
+class EmbeddingRequest(_Strict):
+    """/v1/embeddings. `input`: a string, a list of strings, a list of token ids or a list of such lists (checked
+    by client/embeddings.EmbedInput); `dimensions` only where the model was trained for shorter embeddings."""
+
+    ignored = frozenset({"user"})
+    model: str | None = None
+    input: Any
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None

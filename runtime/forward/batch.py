@@ -17,6 +17,11 @@ from enum import Enum
 import torch
 
 
+# in a model's capture list: the last hidden state (after a decoder's final norm): what EAGLE heads read, and
+# what embeddings pool
+FINAL_HIDDEN = -1
+
+
 class ForwardMode(Enum):
     """What a work item computes, set by the scheduler (never inferred from a token count). A batch's
     mode is its items' one mode, or MIXED."""

@@ -22,6 +22,9 @@ class RuntimeLimits(msgspec.Struct, frozen=True):
     kv_capacity: int
     vocab_size: int
     weight_bytes: int = 0
+    embedding_dim: int = 0  # an embedding's length (the model's hidden size)
+    generates: bool = True  # False: an encoder, which computes embeddings only
+    matryoshka: bool = False  # an embedding's leading dimensions are one too (OpenAI's `dimensions`)
 
 
 def validate_request(msg: TokenizedGenerateReq, limits: RuntimeLimits) -> None:
@@ -29,7 +32,12 @@ def validate_request(msg: TokenizedGenerateReq, limits: RuntimeLimits) -> None:
     n = len(msg.input_ids)
     if n == 0:
         raise ValueError("the prompt is empty (input_ids must not be empty)")
-    if n >= limits.context_length:
+    if msg.embed is not None:
+        _check_embed(msg, limits)
+    elif not limits.generates:
+        raise ValueError("this model computes embeddings only (/v1/embeddings, /encode, /api/embed): it cannot "
+                         "generate text")
+    elif n >= limits.context_length:
         raise ValueError(f"the prompt has {n} tokens, which does not fit the context length {limits.context_length}")
     if n + 1 > limits.kv_capacity:
         raise ValueError(f"the prompt has {n} tokens, which does not fit the KV pool ({limits.kv_capacity} tokens)")
@@ -49,6 +57,20 @@ def validate_request(msg: TokenizedGenerateReq, limits: RuntimeLimits) -> None:
     if not -1 <= msg.logprob_start_len <= INT64_MAX:
         raise ValueError("logprob_start_len must be >= -1 and fit in 64 bits")
     check_kv_joins(msg.kv_joins)
+
+
+def _check_embed(msg: TokenizedGenerateReq, limits: RuntimeLimits) -> None:
+    from plait.runtime.model_config import POOLINGS
+
+    n = len(msg.input_ids)
+    if n > limits.context_length:
+        raise ValueError(f"the input has {n} tokens, more than the model's context length of {limits.context_length}")
+    if msg.embed.pooling and msg.embed.pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {list(POOLINGS)}, got {msg.embed.pooling!r}")
+    if not limits.generates and msg.embed.pooling == "last":
+        raise ValueError("last-token pooling needs a decoder model: an encoder's tokens each see all the others")
+    if msg.sampling_params.max_new_tokens != 0 or msg.return_logprob or msg.kv_joins:
+        raise ValueError("an embedding request generates nothing: max_new_tokens 0, no logprobs, no KV joins")
 
 
 def check_kv_joins(kv_joins: Any) -> list[str]:

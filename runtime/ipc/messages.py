@@ -14,6 +14,14 @@ import msgspec
 from plait.runtime.sampling.params import SamplingParams
 
 
+class EmbedSpec(msgspec.Struct, frozen=True):
+    """Asks for the prompt's embedding instead of new tokens: its final hidden states pooled (the vector comes
+    back unnormalized in TokenOut.embedding)."""
+
+    pooling: str = ""  # "last", "mean" or "cls" (model_config.POOLINGS); "": the model's own
+    encoder: bool = False  # computed by the server's --embedding-model, not its main model
+
+
 class TokenizedGenerateReq(msgspec.Struct, frozen=True, tag=True):
     rid: str
     input_ids: list[int]
@@ -24,6 +32,7 @@ class TokenizedGenerateReq(msgspec.Struct, frozen=True, tag=True):
     stream: bool = False
     group: str = ""  # sequences of one client request (a batch, n choices) share a group; "" alone
     kv_joins: list[str] = []  # concate_and_append joins whose KV this request may reuse (JoinKVReq)
+    embed: EmbedSpec | None = None  # an embedding request (max_new_tokens 0)
 
 
 class AbortReq(msgspec.Struct, frozen=True, tag=True):
@@ -82,6 +91,7 @@ class TokenOut(msgspec.Struct):
     spec_verify_ct: int = 0  # forwards that verified a speculative draft of the request, so far
     spec_drafted: int = 0  # speculative draft tokens verified, so far
     spec_accepted: int = 0  # of which kept
+    embedding: list[float] | None = None  # an embedding request's pooled vector, on its last output
 
 
 class BatchTokenOut(msgspec.Struct, tag=True):

@@ -45,6 +45,9 @@ class RuntimeProcesses:
     limits: RuntimeLimits
     tokenizer: Any
     procs: dict[str, subprocess.Popen]
+    # the --embedding-model's, when there is one
+    encoder_limits: RuntimeLimits | None = None
+    encoder_tokenizer: Any = None
 
     def dead(self) -> list[str]:
         """Names of children that have exited."""
@@ -121,11 +124,13 @@ class StartingRuntime:
         args, handle = self.handle.args, self.handle
         try:
             with ThreadPoolExecutor(1) as pool:
-                tok = pool.submit(_tokenizer, args) if args.node_rank == 0 else None
+                tok = pool.submit(_tokenizers, args) if args.node_rank == 0 else None
                 replies = _wait_ready(handle.procs, self.pipes)
-                handle.tokenizer = tok.result() if tok is not None else None
+                handle.tokenizer, handle.encoder_tokenizer = tok.result() if tok is not None else (None, None)
             if "scheduler" in replies:
                 handle.limits = RuntimeLimits(**replies["scheduler"]["limits"])
+                encoder = replies["scheduler"].get("encoder_limits")
+                handle.encoder_limits = RuntimeLimits(**encoder) if encoder else None
         except BaseException:
             self.abort()
             raise
@@ -191,12 +196,13 @@ def launch_node(args: ServerArgs) -> int:
         rt.shutdown()
 
 
-def _tokenizer(args: ServerArgs) -> Any:
-    if args.skip_tokenizer_init:
-        return None
+def _tokenizers(args: ServerArgs) -> tuple[Any, Any]:
+    """The main model's tokenizer and the --embedding-model's (None where there is none)."""
     from plait.runtime.model_loader import load_tokenizer
 
-    return load_tokenizer(args.model_path, args.tokenizer_path)
+    main = None if args.skip_tokenizer_init else load_tokenizer(args.model_path, args.tokenizer_path)
+    encoder = load_tokenizer(args.embedding_model_path) if args.embedding_model_path else None
+    return main, encoder
 
 
 def _wait_ready(procs: dict[str, subprocess.Popen], pipes: dict[str, int]) -> dict[str, dict]:

@@ -96,8 +96,9 @@ class ModelRunner:
         # every rank's pool has the same slots (rank 0 hands out slot numbers): the smallest any rank can hold
         num_slots = group.min_int(max(num_slots, 2 * args.page_size))
         num_window = group.min_int(self._window_slots(num_slots)) if self.window_layers else 0
-        self.kv_pool = KVPool(num_slots, cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.kv_dtype,
-                              window_layers=self.window_layers, num_window_slots=num_window)
+        # an encoder keeps no KV: its slots are bookkeeping only (the scheduler's token budget)
+        self.kv_pool = KVPool(num_slots, cfg.num_layers if cfg.causal else 0, self.num_kv_heads, cfg.head_dim,
+                              self.kv_dtype, window_layers=self.window_layers, num_window_slots=num_window)
         self.allocator = (WindowedKVAllocator(num_slots, args.page_size, num_window) if self.window_layers
                           else KVAllocator(num_slots, args.page_size))
         # steps the layer stack runs as one unit (decode: one C call where every layer fits it)
@@ -133,6 +134,8 @@ class ModelRunner:
         at AUTO_KV_TOKENS_PER_REQUEST, whichever is more; at most --mem-fraction-static of free memory. Sized from
         the model and the flags, not from the machine: a laptop keeps its memory (a share of free RAM gave the
         default model a 2-3 GB pool)."""
+        if not self.config.causal:  # slots cost an encoder nothing: every running request at full length
+            return self.args.max_running_requests * self.context_length
         try:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):

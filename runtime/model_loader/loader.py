@@ -22,8 +22,9 @@ from plait.runtime.models import LlamaForCausalLM, model_class
 
 logger = logging.getLogger(__name__)
 
-# tensors some checkpoints carry that the runtime recomputes
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# tensors some checkpoints carry that the runtime recomputes or does not use (an encoder's position ids buffer,
+# and its pooler: sentence embeddings pool the hidden states themselves)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias")
 
 
 @dataclass

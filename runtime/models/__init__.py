@@ -6,10 +6,13 @@ from __future__ import annotations
 from torch import nn
 
 from plait.runtime.model_config import ARCHITECTURES, ModelConfig
+from plait.runtime.models.bert import BertModel
 from plait.runtime.models.llama import LlamaForCausalLM
 
-# config.json's `architectures[0]` -> the class that serves it; the dense and MoE Llama family share one decoder
+# config.json's `architectures[0]` -> the class that serves it; the dense and MoE Llama family share one decoder,
+# BERT-style encoders (embeddings only) have their own
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {name: LlamaForCausalLM for name in ARCHITECTURES.values()}
+MODEL_REGISTRY["BertModel"] = BertModel
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
@@ -20,4 +23,4 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
                          f"{sorted(MODEL_REGISTRY)}") from None
 
 
-__all__ = ["LlamaForCausalLM", "MODEL_REGISTRY", "model_class"]
+__all__ = ["BertModel", "LlamaForCausalLM", "MODEL_REGISTRY", "model_class"]

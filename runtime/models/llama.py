@@ -38,10 +38,9 @@ from plait.runtime.layers.moe import SparseMLP
 from plait.runtime.layers.quantization import BlockQuantizedMethod, QuantConfig
 from plait.runtime.layers.rotary import RotaryEmbedding
 from plait.runtime.model_config import FULL, SLIDING, ModelConfig
-from plait.runtime.forward.batch import current_batch
+from plait.runtime.forward.batch import FINAL_HIDDEN, current_batch
 from plait.runtime.forward.graph import GraphRunner
 
-FINAL_HIDDEN = -1  # in a capture list: the last hidden state after the final norm (what EAGLE heads read)
 
 
 def local_heads(cfg: ModelConfig, group: Group) -> tuple[range, range]:

@@ -136,13 +136,17 @@ class Admission:
             if (admitted or prefilling) and self._should_wait_for_sibling(req, cached, admitted + prefilling):
                 continue
             n = min(req.seq_len - cached, chunk_cap, budget)
+            if req.whole and n < req.seq_len:  # an encoder's prompt runs in one forward, or waits for one
+                n = req.seq_len
+                if n > budget:
+                    continue
             future = min(req.remaining_tokens(), _RESERVE_CAP) * self.new_token_ratio
             if self.running and (self.kv.available() - reserved < n + future  # room for what running ones will generate
                                  or self.kv.window_room() < n + self.kv.window):
                 break
             if not self.kv.admit(req):
                 break
-            n = min(req.pending_len, chunk_cap, budget)
+            n = req.pending_len if req.whole else min(req.pending_len, chunk_cap, budget)
             if not self.kv.reserve(req, n):
                 self.kv.release(req)
                 break

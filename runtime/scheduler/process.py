@@ -2,6 +2,9 @@
 
     receive (drain the inbox) -> scheduler.step() -> send each step's outputs to the detokenizer
 
+With --embedding-model-path, a second runner and scheduler (an encoder's: embeddings only) live here too; the
+requests that name it (EmbedSpec.encoder) go to it, and each loop steps both.
+
 It blocks on its inbox only when idle, so queued messages never delay a running batch by more
 than one step.
 """
@@ -58,14 +61,22 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, place: RankPlace, 
         inbox = Receiver(ctx, addrs.scheduler_of(place.replica), ToScheduler)
         out = Sender(ctx, addrs.detokenizer)
         runner = ModelRunner(args, group=join(place))
-        scheduler = Scheduler(args, runner, lambda outs: out.send(BatchTokenOut(outs)))
+        emit = lambda outs: out.send(BatchTokenOut(outs))  # noqa: E731
+        scheduler = Scheduler(args, runner, emit)
         reply["limits"] = msgspec.to_builtins(scheduler.limits)
+        encoder = None
+        if args.embedding_model_path:
+            encoder_args = args.encoder_args()
+            encoder = Scheduler(encoder_args, ModelRunner(encoder_args), emit)
+            reply["encoder_limits"] = msgspec.to_builtins(encoder.limits)
     try:
-        _Loop(scheduler, runner, inbox, out, ppid, place.replica).run()
+        _Loop(scheduler, runner, inbox, out, ppid, place.replica, encoder).run()
         runner.stop()  # orphaned: the other ranks stop too (a failed collective skips this and fails them)
         runner.group.close()
     finally:
         scheduler.close()
+        if encoder is not None:
+            encoder.close()
 
 
 def _malloc_trim():
@@ -77,8 +88,9 @@ def _malloc_trim():
 
 
 class _Loop:
-    def __init__(self, scheduler, runner, inbox: Receiver, out: Sender, ppid: int, replica: int = 0):
+    def __init__(self, scheduler, runner, inbox: Receiver, out: Sender, ppid: int, replica: int = 0, encoder=None):
         self.scheduler = scheduler
+        self.encoder = encoder  # the --embedding-model's scheduler, or None
         self.runner = runner
         self.replica = replica
         self.inbox = inbox
@@ -91,7 +103,7 @@ class _Loop:
 
     def run(self) -> None:
         while True:
-            if self.scheduler.idle:
+            if self.idle:
                 self._send_stats(force=False)
                 while not self.inbox.poll(1000):  # idle: wake once a second to notice an orphaning
                     if not parent_alive(self.ppid):
@@ -101,11 +113,17 @@ class _Loop:
                 self._handle(msg)
             before = self.scheduler.tokens_generated
             self.scheduler.step()
+            if self.encoder is not None:
+                self.encoder.step()
             self._tokens_since += self.scheduler.tokens_generated - before
-            self._send_stats(force=self.scheduler.idle)  # once more when it goes idle
+            self._send_stats(force=self.idle)  # once more when it goes idle
             if self._trim is not None and time.perf_counter() - self._last_trim > _TRIM_INTERVAL:
                 self._trim(0)
                 self._last_trim = time.perf_counter()
+
+    @property
+    def idle(self) -> bool:
+        return self.scheduler.idle and (self.encoder is None or self.encoder.idle)
 
     def _recv(self):
         """The next message, or None. A frame that does not decode fails its request (if it names
@@ -125,6 +143,11 @@ class _Loop:
     def _handle(self, msg) -> None:
         s = self.scheduler
         if isinstance(msg, TokenizedGenerateReq):
+            if msg.embed is not None and msg.embed.encoder:
+                if self.encoder is None:
+                    self._refuse(msg.rid, len(msg.input_ids), "this server has no embedding model", 400)
+                    return
+                s = self.encoder
             try:
                 s.add_request(msg)
             except ValueError as e:  # the client validates first; this is the last line of defence
@@ -134,6 +157,8 @@ class _Loop:
                 self._refuse(msg.rid, len(msg.input_ids), f"internal error on arrival: {type(e).__name__}: {e}", 500)
         elif isinstance(msg, AbortReq):
             s.abort(msg)
+            if self.encoder is not None:
+                self.encoder.abort(msg)
         elif isinstance(msg, FlushCacheReq):
             self.out.send(ControlReply(msg.req_id, s.flush_cache()))
         elif isinstance(msg, ServerInfoReq):

@@ -7,7 +7,8 @@ one writer; the others only read it:
 - `kv` (KVState): its KV row, slots and radix-tree lock: KVManager;
 - `constraint` (Constraint): its grammar's compile, matcher and closing plan: GrammarManager;
 - `draft` (Draft): tokens drafted for the next forward to verify, and how its drafts fared: SpecManager;
-- `stream` (Stream): the deltas its next TokenOut carries: req_io.
+- `stream` (Stream): the deltas its next TokenOut carries: req_io;
+- `embedding` (pooling.Embedding, embedding requests only): its pooled hidden states: pooling.py.
 
 Lengths, named the same everywhere:
 - `seq_len`: prompt + output tokens (committed; a draft is not output until verified);
@@ -27,6 +28,7 @@ import torch
 
 from plait.runtime.ipc.messages import FinishReason, TokenizedGenerateReq
 from plait.runtime.sampling.params import SamplingParams
+from plait.runtime.scheduler.pooling import Embedding
 
 
 @dataclass
@@ -91,7 +93,9 @@ class Stream:
 
 
 class Req:
-    def __init__(self, msg: TokenizedGenerateReq, seed: int):
+    def __init__(self, msg: TokenizedGenerateReq, seed: int, pooling: str | None = None, whole: bool = False):
+        """`pooling`: an embedding request's (resolved: the model's where it names none); `whole`: its prompt is
+        computed in one forward, none of it cached (an encoder's tokens attend both ways)."""
         self.rid = msg.rid
         self.group = msg.group
         self.origin_input_ids: list[int] = list(msg.input_ids)
@@ -106,6 +110,8 @@ class Req:
         self.constraint = Constraint()
         self.draft = Draft()
         self.stream = Stream()
+        self.embedding = Embedding(pooling) if pooling is not None else None
+        self.whole = whole
         self.finish: FinishReason | None = None  # how it ended (end)
         self.failed = False  # ended by a fault of its own (faults.py)
         self.arrival = time.perf_counter()
@@ -159,7 +165,10 @@ class Req:
         return min(self.logprob_start_len, self.prompt_len)
 
     def max_prefix_match(self) -> int:
-        """Prompt logprobs need logits, so positions they read may not come from the cache."""
+        """Prompt logprobs need logits, so positions they read may not come from the cache; nor may the states
+        an embedding pools."""
+        if self.whole or (self.embedding is not None and self.embedding.whole_prompt):
+            return 0
         start = self.input_logprob_start()
         if start < self.prompt_len:
             return max(start - 1, 0)

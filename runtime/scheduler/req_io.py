@@ -67,6 +67,7 @@ def token_out(req: Req) -> TokenOut:
         spec_verify_ct=req.draft.verifies,
         spec_drafted=req.draft.drafted,
         spec_accepted=req.draft.accepted,
+        embedding=_embedding(req),
         decode=None if s.decode_sent else DecodeSpec(p.stop, p.skip_special_tokens, p.no_stop_trim,
                                                      p.spaces_between_special_tokens),
     )
@@ -75,3 +76,11 @@ def token_out(req: Req) -> TokenOut:
     s.ids, s.logprobs, s.top = [], [], []
     s.input_logprobs, s.input_top = [], []
     return out
+
+
+def _embedding(req: Req) -> list[float] | None:
+    """An embedding request's pooled vector, on its last output."""
+    emb = req.embedding
+    if emb is None or emb.vector is None or req.finish is None or req.finish.type != "stop":
+        return None
+    return emb.vector.tolist()

@@ -5,8 +5,12 @@
 Admission (admission.py) picks the next forward's work (a `Work` each, step.py): one token for every decoding
 request, whole drafts to verify, and prefill chunks for waiting ones under a token budget, retracting the newest
 requests when KV runs out. KV and the radix cache are KVManager's, grammars GrammarManager's, drafts and their
-verification SpecManager's; each writes its own part of a request (req.py). A fault in one request fails it
-alone (faults.py).
+verification SpecManager's, an embedding request's pooled states pooling.py's; each writes its own part of a
+request (req.py). A fault in one request fails it alone (faults.py).
+
+An embedding request is a prompt that generates nothing: its forwards capture the final hidden states, which
+it pools, and it ends once its prompt is computed. An encoder model (not causal) serves embeddings only, each
+prompt whole in one forward and nothing cached.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Callable
 import torch
 
 from plait.runtime.ipc.limits import RuntimeLimits, validate_request
+from plait.runtime.forward.batch import FINAL_HIDDEN
 from plait.runtime.ipc.messages import AbortReq, FinishReason, JoinKVReq, TokenizedGenerateReq, TokenOut
 from plait.runtime.model_executor.model_runner import ForwardOutput, ModelRunner
 from plait.runtime.model_loader.tokenizer import end_ids
@@ -29,6 +34,7 @@ from plait.runtime.scheduler.batch_sampler import sample_isolated, sample_rows
 from plait.runtime.scheduler.faults import fail_request, isolated
 from plait.runtime.scheduler.grammar_manager import GrammarConfig, GrammarManager, Masks
 from plait.runtime.scheduler.kv_manager import KVManager
+from plait.runtime.scheduler.pooling import pool_chunk
 from plait.runtime.scheduler.req import Req
 from plait.runtime.scheduler.req_io import has_news, record_input_logprobs, take_token, token_out
 from plait.runtime.scheduler.spec_manager import SpecManager
@@ -52,9 +58,13 @@ class Scheduler:
         self.runner = runner
         self.emit = emit
         self.tokenizer = runner.tokenizer
-        self.kv = KVManager(runner.allocator, runner.req_to_token, not self.config.disable_radix_cache,
+        model = runner.config
+        self.causal = model.causal
+        self.kv = KVManager(runner.allocator, runner.req_to_token, not self.config.disable_radix_cache and self.causal,
                             runner.kv_window)
-        self.context_length = runner.context_length
+        # an encoder's prompt runs in one forward: no longer than one forward's budget
+        self.context_length = (runner.context_length if self.causal
+                               else min(runner.context_length, self.config.max_prefill_tokens))
         self.eos_ids = set(end_ids(runner.config, runner.tokenizer))
         self._seed_counter = self.config.random_seed
         self.num_failed = 0  # requests ended by a fault of their own (status 500, or 400 for a grammar's limit)
@@ -65,8 +75,8 @@ class Scheduler:
         drafts = DraftConfig.of(args)
         self.speculation = SpecManager(drafts, self.tokenizer, self.grammars, self.kv, build_drafter(drafts, runner))
         self.admission = Admission(AdmissionConfig.of(args), self.kv, self.speculation.drop)
-        self.limits = RuntimeLimits(self.context_length, runner.allocator.capacity, runner.config.vocab_size,
-                                    runner.weight_bytes)
+        self.limits = RuntimeLimits(self.context_length, runner.allocator.capacity, model.vocab_size,
+                                    runner.weight_bytes, model.hidden_size, self.causal, model.matryoshka)
 
     @property
     def waiting(self) -> list[Req]:
@@ -80,7 +90,8 @@ class Scheduler:
     def add_request(self, msg: TokenizedGenerateReq) -> None:
         validate_request(msg, self.limits)
         self._seed_counter += 1
-        req = Req(msg, self._seed_counter)
+        pooling = (msg.embed.pooling or self.runner.config.pooling) if msg.embed is not None else None
+        req = Req(msg, self._seed_counter, pooling, whole=not self.causal)
         if req.params.grammar is None:
             self.waiting.append(req)
         else:  # parked until its grammar compiles
@@ -120,10 +131,10 @@ class Scheduler:
         masks = self.grammars.start_masks(step.completing())
         self._budget_next_drafts()
         tokens_before, start = self.tokens_generated, time.perf_counter()
-        out = self._forward(step)
+        out, hidden = self._forward(step)
         if step.decoding_only:  # what drafts are weighed against
             self.speculation.record_forward(step.tokens(), time.perf_counter() - start)
-        self._process(step, out, masks)
+        self._process(step, out, masks, hidden)
         if step.decoding_only:
             self.speculation.record_step(len(step), step.speculative, self.tokens_generated - tokens_before,
                                          time.perf_counter() - start)
@@ -145,14 +156,22 @@ class Scheduler:
             self.grammars.wait()
         return not self.idle
 
-    def _forward(self, step: Step) -> ForwardOutput:
+    def _forward(self, step: Step) -> tuple[ForwardOutput, list[torch.Tensor] | None]:
+        """The forward's output, and each item's final hidden states when an embedding request is in the step."""
         self.forward_passes += 1
         # the draft head, if any, reads the target's features at every committed position
-        return self.runner.forward(step.items, self.speculation.capture)
+        capture = self.speculation.capture
+        if not any(r.embedding is not None for r in step.reqs):
+            return self.runner.forward(step.items, capture), None
+        out = self.runner.forward(step.items, capture + (FINAL_HIDDEN,))
+        h = self.runner.config.hidden_size
+        features = [f[:, :-h] for f in out.features] if capture else None
+        return ForwardOutput(out.logits, features), [f[:, -h:] for f in out.features]
 
     # ---- commit: what the forward computed ----------------------------------------------
-    def _process(self, step: Step, out: ForwardOutput, masks: Future | None) -> None:
-        to_sample, to_verify = self._commit(step, out)
+    def _process(self, step: Step, out: ForwardOutput, masks: Future | None,
+                 hidden: list[torch.Tensor] | None = None) -> None:
+        to_sample, to_verify = self._commit(step, out, hidden)
         mask_rows = masks.result() if masks is not None else None
         for req, e in self.grammars.take_faults():  # a mask fill that raised
             fail_request(req, "filling its grammar mask", e)
@@ -169,18 +188,26 @@ class Scheduler:
         self.speculation.plan(took, step, out.features, self.context_length)
         self._reap()
 
-    def _commit(self, step: Step, out: ForwardOutput) -> tuple[list[tuple[Req, int]], list[tuple[Req, int]]]:
-        """Advance each request past the tokens it fed; returns (request, logits row) of those that sample a
-        token now, and of those whose draft the model verifies now (the row before the draft)."""
+    def _commit(self, step: Step, out: ForwardOutput, hidden: list[torch.Tensor] | None
+                ) -> tuple[list[tuple[Req, int]], list[tuple[Req, int]]]:
+        """Advance each request past the tokens it fed (an embedding request pools their states); returns
+        (request, logits row) of those that sample a token now, and of those whose draft the model verifies now
+        (the row before the draft)."""
         to_sample, to_verify = [], []
-        for p in step.planned:
+        for i, p in enumerate(step.planned):
             req = p.req
+            if req.embedding is not None:
+                with isolated(req, "pooling its embedding"):
+                    pool_chunk(req.embedding, p.item.cached_len, hidden[i], req.prompt_len)
             self.kv.computed(req, p.work.n)
             if req.input_logprob_start() < req.prompt_len:
                 with isolated(req, "computing its prompt logprobs"):
                     record_input_logprobs(req, p.item, out.logits[p.rows.start : p.rows.stop])
             if p.completes:
-                if req.params.max_new_tokens == 0:
+                if req.embedding is not None:
+                    if req.finish is None:  # not failed while pooling
+                        req.end(FinishReason("stop"))
+                elif req.params.max_new_tokens == 0:
                     req.end(FinishReason("length"))  # prefill-only: the prompt is now cached
                 elif req.draft.tokens:
                     to_verify.append((req, p.next_row))

@@ -32,7 +32,7 @@ from plait.kernels.cpu_attention import paged_attention
 from plait.kernels.cpu_fused import rope_store
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.layers.rotary import RotaryEmbedding
-from plait.runtime.models.llama import FINAL_HIDDEN
+from plait.runtime.forward.batch import FINAL_HIDDEN
 from plait.runtime.speculative.drafter import Draft, DraftStep, Proposal, register
 from plait.runtime.speculative.eagle import EagleHead, load_eagle_head
 
