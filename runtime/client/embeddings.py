@@ -66,9 +66,6 @@ class EmbedInput:
             raise ValueError(f"pooling must be one of {list(POOLINGS)}, got {pooling!r}")
         return cls(texts, ids, dimensions, truncate, pooling or "", encoder)
 
-    def __len__(self) -> int:
-        return len(self.texts if self.texts is not None else self.ids)
-
     def messages(self, tokenize, context_length: int) -> list[TokenizedGenerateReq]:
         """One message per input; `tokenize(text, truncate_to)` gives a text's ids (cut to `truncate_to` tokens
         when that is not None)."""

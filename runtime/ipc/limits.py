@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from plait.runtime.ipc.messages import TokenizedGenerateReq
+from plait.runtime.model_config import POOLINGS
 from plait.runtime.sampling.params import INT64_MAX
 
 MAX_TOP_LOGPROBS = 20  # the hard ceiling; --max-top-logprobs may set a lower one
@@ -60,8 +61,6 @@ def validate_request(msg: TokenizedGenerateReq, limits: RuntimeLimits) -> None:
 
 
 def _check_embed(msg: TokenizedGenerateReq, limits: RuntimeLimits) -> None:
-    from plait.runtime.model_config import POOLINGS
-
     n = len(msg.input_ids)
     if n > limits.context_length:
         raise ValueError(f"the input has {n} tokens, more than the model's context length of {limits.context_length}")

@@ -49,12 +49,10 @@ class EncoderLayer(nn.Module):
         self.down_w, self.down_b = _param(h, inter), _param(h)
         self.out_norm_w, self.out_norm_b = _param(h), _param(h)
 
-    def forward(self, x: torch.Tensor, pad: "_Padding") -> torch.Tensor:
-        t, h = x.shape
+    def forward(self, x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        h = x.shape[1]
         q, k, v = F.linear(x, self.qkv_w, self.qkv_b).split(h, dim=-1)
-        heads = [pad.to_batch(y).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2) for y in (q, k, v)]
-        attn = F.scaled_dot_product_attention(*heads, attn_mask=pad.key_mask)  # [B, heads, L, d]
-        attn = pad.to_tokens(attn.transpose(1, 2).flatten(-2))
+        attn = _attend(q, k, v, lens, self.num_heads, self.head_dim)
         x = F.layer_norm(x + F.linear(attn, self.o_w, self.o_b), (h,), self.attn_norm_w, self.attn_norm_b, self.eps)
         mlp = F.linear(self.act(F.linear(x, self.up_w, self.up_b)), self.down_w, self.down_b)
         return F.layer_norm(x + mlp, (h,), self.out_norm_w, self.out_norm_b, self.eps)
@@ -79,24 +77,24 @@ class EncoderLayer(nn.Module):
         return loaders
 
 
-class _Padding:
-    """The batch's requests as rows of a padded [B, L] block (their tokens are contiguous in the flat batch)."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], heads: int, dim: int
+            ) -> torch.Tensor:
+    """Each request's tokens (contiguous in the flat batch, `lens` of them each) attend to all of its own:
+    one SDPA call when the lengths are equal, else one per request. Padding to the longest with a mask was
+    4.7x slower here (torch's masked CPU path; 32 chat messages of 5 to 250 tokens)."""
+    def split(y: torch.Tensor, n: int) -> torch.Tensor:  # [.., n, heads * dim] -> [.., heads, n, dim]
+        return y.unflatten(-1, (heads, dim)).transpose(-3, -2)
 
-    def __init__(self, lens: list[int]):
-        longest = max(lens)
-        self.valid = torch.arange(longest)[None, :] < torch.tensor(lens)[:, None]  # [B, L]
-        self.shape = (len(lens), longest)
-        self.key_mask = None if min(lens) == longest else self.valid[:, None, None, :]
-
-    def to_batch(self, y: torch.Tensor) -> torch.Tensor:
-        if self.key_mask is None:
-            return y.view(*self.shape, -1)
-        out = y.new_zeros(*self.shape, y.shape[-1])
-        out[self.valid] = y
-        return out
-
-    def to_tokens(self, y: torch.Tensor) -> torch.Tensor:
-        return y.reshape(-1, y.shape[-1]) if self.key_mask is None else y[self.valid]
+    if min(lens) == max(lens):
+        n = lens[0]
+        out = F.scaled_dot_product_attention(*(split(y.view(len(lens), n, -1), n) for y in (q, k, v)))
+        return out.transpose(1, 2).reshape(-1, heads * dim)
+    outs = []
+    for qs, ks, vs in zip(q.split(lens), k.split(lens), v.split(lens)):
+        n = qs.shape[0]
+        outs.append(F.scaled_dot_product_attention(split(qs, n), split(ks, n), split(vs, n)).transpose(0, 1)
+                    .reshape(n, heads * dim))
+    return torch.cat(outs)
 
 
 class BertModel(nn.Module):
@@ -131,12 +129,11 @@ class BertModel(nn.Module):
         lens = fb.extend.kv_lens.tolist()
         if sum(lens) != fb.input_ids.numel():
             raise ValueError("an encoder's requests must be computed whole, from their first token")
-        pad = _Padding(lens)
         x = self.word[fb.input_ids] + self.position[fb.positions] + self.token_type[0]
         x = F.layer_norm(x, (self.cfg.hidden_size,), self.embed_norm_w, self.embed_norm_b, self.cfg.rms_norm_eps)
         taken: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, pad)
+            x = layer(x, lens)
             taken[i] = x
         taken[FINAL_HIDDEN] = x
         logits = x.new_zeros(fb.logits_rows.numel(), 1)

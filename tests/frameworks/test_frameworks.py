@@ -1,5 +1,6 @@
 """Agent frameworks, unchanged, against the real server on Qwen2.5-Coder-0.5B: openai-agents (its default model
-is the Responses API), LangChain with LangGraph, pydantic-ai and instructor. Each runs a small agent with a tool
+is the Responses API), LangChain with LangGraph (and its OpenAIEmbeddings on the all-MiniLM-L6-v2 served beside),
+pydantic-ai and instructor. Each runs a small agent with a tool
 it must call and whose result it must use, and a structured output type; the assertions are at the protocol's
 level (the call the model made, the tool result the next turn saw, the parsed output), not on the model's prose.
 
@@ -31,7 +32,7 @@ class Report(BaseModel):
 @pytest.fixture(scope="module")
 def url():
     srv = Server("--model-path", "qwen2.5-coder-0.5b", "--max-total-tokens", "16384",
-                 "--enable-deterministic-inference")
+                 "--enable-deterministic-inference", "--embedding-model-path", "all-minilm-l6-v2")
     yield srv.url + "/v1"
     assert srv.stop() == 0
 
@@ -94,6 +95,23 @@ def test_langchain_and_langgraph(url):
     assert results and "21 degrees" in results[0].content and out["messages"][-1].type == "ai"
     chunks = list(llm.stream("Write two sentences about the sea."))
     assert len(chunks) > 10
+
+
+def test_langchain_embeddings(url):
+    """LangChain's OpenAIEmbeddings on the server's embedding model (check_embedding_ctx_length off: else it sends
+    OpenAI's tiktoken ids); the vectors are the server's own, and a query finds its passage."""
+    import httpx
+    from langchain_openai import OpenAIEmbeddings
+
+    emb = OpenAIEmbeddings(model="all-minilm-l6-v2", base_url=url, api_key="none", check_embedding_ctx_length=False)
+    docs = ["It is sunny and 21 degrees in Paris today.", "Knead the dough, then bake the bread for forty minutes.",
+            "The train leaves the station at noon."]
+    vectors = emb.embed_documents(docs)
+    query = emb.embed_query(ASK)
+    scores = [sum(a * b for a, b in zip(query, v)) for v in vectors]
+    assert scores.index(max(scores)) == 0
+    direct = httpx.post(f"{url}/embeddings", json={"input": docs[1]}).json()["data"][0]["embedding"]
+    assert max(abs(a - b) for a, b in zip(direct, vectors[1])) < 1e-5
 
 
 def test_pydantic_ai(url):
