@@ -68,15 +68,18 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         return_text_in_logprobs: bool | None = None, dtype: type | str | None = None,
         choices: list[str] | None = None, choices_method: str | None = None, regex: str | None = None,
         json_schema: str | dict | None = None, ebnf: str | None = None, repetition_penalty: float | None = None,
-        seed: int | None = None, **unknown) -> Gen | Select:
-    """Call the model (SGLang's gen; `ebnf`, `repetition_penalty` and `seed` are plait's additions)."""
+        seed: int | None = None, lora: str | None = None, **unknown) -> Gen | Select:
+    """Call the model (SGLang's gen; `ebnf`, `repetition_penalty`, `seed` and `lora` (a LoRA adapter the server
+    serves; default the program's, `run(lora=...)`) are plait's additions)."""
     if unknown:
         raise TypeError(f"gen() got unknown argument(s) {sorted(unknown)}")
     if choices:
         return select(name, choices, temperature or 0.0, choices_method or token_length_normalized)
     # a regex is checked by the server's grammar backend (its dialect, not Python's re)
+    if lora is not None and (not isinstance(lora, str) or not lora):
+        raise ValueError("lora must name a LoRA adapter the server serves")
     return Gen(name, _sampling_params(locals()), dtype, bool(return_logprob), top_logprobs_num or 0,
-               logprob_start_len, bool(return_text_in_logprobs))
+               logprob_start_len, bool(return_text_in_logprobs), lora)
 
 
 def embed(name: str, text: str | list[str] | None = None, model: str | None = None) -> Embed:
@@ -173,7 +176,7 @@ def assistant_end() -> RoleEnd:
 
 _RUN_PARAMS = ("max_new_tokens", "n", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
                "min_p", "frequency_penalty", "presence_penalty", "ignore_eos")
-_RUN_CALL = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+_RUN_CALL = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "lora")
 
 
 def _run_options(kwargs: dict[str, Any]) -> tuple[dict, Call, dict]:
@@ -183,7 +186,7 @@ def _run_options(kwargs: dict[str, Any]) -> tuple[dict, Call, dict]:
     call = {k: kwargs.pop(k) for k in _RUN_CALL if k in kwargs}
     call = Call(return_logprob=bool(call.get("return_logprob")), top_logprobs_num=call.get("top_logprobs_num") or 0,
                 logprob_start_len=call.get("logprob_start_len"),
-                return_text_in_logprobs=bool(call.get("return_text_in_logprobs")))
+                return_text_in_logprobs=bool(call.get("return_text_in_logprobs")), lora=call.get("lora"))
     return params, call, kwargs
 
 

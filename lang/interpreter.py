@@ -336,12 +336,12 @@ class ProgramState:
     def _call(self, g: Gen | None) -> Call:
         d = self.call_defaults
         if g is None:
-            return Call(joins=self.joins)
+            return Call(joins=self.joins, lora=d.lora)
         return Call(return_logprob=bool(g.return_logprob or d.return_logprob),
                     top_logprobs_num=g.top_logprobs_num or d.top_logprobs_num,
                     logprob_start_len=g.logprob_start_len if g.logprob_start_len is not None else d.logprob_start_len,
                     return_text_in_logprobs=bool(g.return_text_in_logprobs or d.return_text_in_logprobs),
-                    joins=self.joins)
+                    joins=self.joins, lora=g.lora or d.lora)
 
     def _params(self, g: Gen) -> dict:
         params = {"skip_special_tokens": global_config.skip_special_tokens_in_output,

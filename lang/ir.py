@@ -51,6 +51,7 @@ class Gen(Expr):
     top_logprobs_num: int = 0
     logprob_start_len: int | None = None
     return_text_in_logprobs: bool = False
+    lora: str | None = None  # the server's LoRA adapter this gen runs with (None: the program's default)
 
 
 @dataclass

@@ -25,10 +25,10 @@ class NoCache:
         pass
 
     def match_prefix(self, key: list[int], count: bool = False, joins: tuple[str, ...] = (),
-                     window: int = 0) -> MatchResult:
+                     window: int = 0, namespace: str = "") -> MatchResult:
         return MatchResult(_EMPTY, _ROOT)
 
-    def insert(self, key: list[int], value: torch.Tensor, joins: tuple[str, ...] = ()) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, joins: tuple[str, ...] = (), namespace: str = "") -> int:
         # Takes nothing: reporting the whole key as "already cached" leaves every slot to the caller to free.
         return len(key) // self.page_size * self.page_size
 

@@ -40,11 +40,12 @@ class PrefixCache(Protocol):
         """Forget everything (the slots must have been evicted first)."""
 
     def match_prefix(self, key: list[int], count: bool = False, joins: tuple[str, ...] = (),
-                     window: int = 0) -> MatchResult:
+                     window: int = 0, namespace: str = "") -> MatchResult:
         """The longest cached page-aligned prefix of `key`, entering the join edges named in `joins`; with
-        `window`, the longest whose last `window` tokens have their window slots; `count`: a hit-rate sample."""
+        `window`, the longest whose last `window` tokens have their window slots; `count`: a hit-rate sample;
+        `namespace`: only KV cached in it (a LoRA adapter's; "" the base model's)."""
 
-    def insert(self, key: list[int], value: torch.Tensor, joins: tuple[str, ...] = ()) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, joins: tuple[str, ...] = (), namespace: str = "") -> int:
         """Cache key -> KV slots `value`; returns how many leading tokens were cached already (the caller's
         slots for those stay the caller's to free; the rest now belong to the cache)."""
 

@@ -12,6 +12,9 @@ Invariants (checked by `check()`):
   joined positions). It is filed under `(join, first page)`, so only a walk that names the join
   enters it; everything below it is reachable only through it. Requests that name no join never
   see such KV, so the tree stays exact for them.
+- a *namespace* keeps KV computed under different weights apart (a LoRA adapter's): the root's children of a
+  namespace are filed under `(namespace, first page)` and only a walk in that namespace enters them (and only
+  them), so prefixes are shared within a namespace and never across.
 
 With a `WindowedKVAllocator` (a model with sliding-window layers) a node's tokens may have lost their window slots
 (released behind a request's window, or by `evict_window`). Then also:
@@ -98,34 +101,34 @@ class RadixCache:
         self.query_tokens = 0
 
     def match_prefix(self, key: list[int], count: bool = False, joins: tuple[str, ...] = (),
-                     window: int = 0) -> MatchResult:
+                     window: int = 0, namespace: str = "") -> MatchResult:
         """Longest cached page-aligned prefix of `key`, entering the join edges named in `joins`; with `window`,
         the longest whose last `window` tokens have their window slots. Splits a node so the match ends on a node."""
         key = self._aligned(key)
-        node, path = self._walk(key, split=True, joins=joins)
+        node, path = self._walk(key, split=True, joins=joins, namespace=namespace)
         indices = torch.cat([n.value for n in path]) if path else _EMPTY
         if window and self.windowed and len(indices):
             usable = intact_prefix(self.allocator.window_live(indices), window, self.page_size)
             if usable < len(indices):
-                node, _ = self._walk(key[:usable], split=True, joins=joins)
+                node, _ = self._walk(key[:usable], split=True, joins=joins, namespace=namespace)
                 indices = indices[:usable]
         if count:
             self.hit_tokens += len(indices)
             self.query_tokens += len(key)
         return MatchResult(indices, node)
 
-    def insert(self, key: list[int], value: torch.Tensor, joins: tuple[str, ...] = ()) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, joins: tuple[str, ...] = (), namespace: str = "") -> int:
         """Insert key -> slots along the path match_prefix(key, joins=joins) walks. Returns how many
         leading tokens were already cached: the caller's slots for those are duplicates and stay the
         caller's to free. The rest now belong to the tree."""
         key = self._aligned(key)
         value = value[: len(key)]
-        node, path = self._walk(key, split=True, joins=joins)
+        node, path = self._walk(key, split=True, joins=joins, namespace=namespace)
         matched = sum(len(n.key) for n in path)
         if self.windowed and matched:
             self._take_windows(path, value[:matched])
         if matched < len(key):
-            self._add_child(node, key[matched:], value[matched:].clone(), "")
+            self._add_child(node, key[matched:], value[matched:].clone(), namespace if node is self.root else "")
         return matched
 
     def insert_join(self, node: TreeNode, join: str, key: list[int], value: torch.Tensor) -> TreeNode:
@@ -305,20 +308,25 @@ class RadixCache:
                 if not node.window_lock:
                     self.window_evictable += n
 
-    def _walk(self, key: list[int], split: bool, joins: tuple[str, ...] = ()) -> tuple[TreeNode, list[TreeNode]]:
-        """The deepest node matching `key` and the nodes on the way to it (root excluded)."""
+    def _walk(self, key: list[int], split: bool, joins: tuple[str, ...] = (), namespace: str = ""
+              ) -> tuple[TreeNode, list[TreeNode]]:
+        """The deepest node matching `key` and the nodes on the way to it (root excluded); from the root, only
+        the children of `namespace` when one is given."""
         node, path, pos = self.root, [], 0
         tick = self._next_tick()
         node.last_access = tick
         while pos < len(key):
             first = self._child_key(key[pos:])
             child = None
-            for join in reversed(joins):  # a join edge wins over the causal path (the newest join first)
-                child = node.children.get((join, first))
-                if child is not None:
-                    break
-            if child is None:
-                child = node.children.get(first)
+            if namespace and node is self.root:
+                child = node.children.get((namespace, first))
+            else:
+                for join in reversed(joins):  # a join edge wins over the causal path (the newest join first)
+                    child = node.children.get((join, first))
+                    if child is not None:
+                        break
+                if child is None:
+                    child = node.children.get(first)
             if child is None:
                 break
             n = common_prefix_len(child.key, key[pos:])

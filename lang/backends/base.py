@@ -24,6 +24,7 @@ class Call:
     logprob_start_len: int | None = None
     return_text_in_logprobs: bool = False
     joins: tuple[str, ...] = ()  # KV joins (concate_and_append) whose KV the call may reuse
+    lora: str | None = None  # the server's LoRA adapter the call runs with (None: the base model)
 
     def native_fields(self) -> dict:
         """The call's fields in a native /generate body (or Engine.generate keywords)."""
@@ -31,7 +32,11 @@ class Call:
                      "return_text_in_logprobs": self.return_text_in_logprobs}
         if self.logprob_start_len is not None:
             out["logprob_start_len"] = self.logprob_start_len
-        return {**out, **self.join_fields()}
+        return {**out, **self.join_fields(), **self.lora_fields()}
+
+    def lora_fields(self) -> dict:
+        """`lora_path` for a native body or Engine.generate, when the call runs with an adapter."""
+        return {"lora_path": self.lora} if self.lora else {}
 
     def join_fields(self) -> dict:
         """`kv_joins` for a native body or Engine.generate, when the call names any join."""

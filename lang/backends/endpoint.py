@@ -73,7 +73,7 @@ class RuntimeEndpoint(Backend):
                 yield snap
 
     def _choice_logprobs(self, context: str, choices: list[str], call: Call) -> list[list[float]]:
-        joins = call.join_fields()
+        joins = {**call.join_fields(), **call.lora_fields()}
         # the context alone first: its length, its last token, and it lands in the prefix cache
         head = self._post({"text": context, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
                            "logprob_start_len": 0, **joins})
@@ -105,7 +105,8 @@ class RuntimeEndpoint(Backend):
         return [d["embedding"] for d in sorted(out["data"], key=lambda d: d["index"])]
 
     def cache_prefix(self, prompt: str, call: Call = Call()) -> None:
-        self._post({"text": prompt, "sampling_params": {"max_new_tokens": 0}, **call.join_fields()})
+        self._post({"text": prompt, "sampling_params": {"max_new_tokens": 0}, **call.join_fields(),
+                    **call.lora_fields()})
 
     def join_kv(self, fork_text: str, branch_texts: list[str], call: Call = Call()) -> dict | None:
         out = self._post({"fork_text": fork_text, "branch_texts": branch_texts, **call.join_fields()}, "/join_kv")

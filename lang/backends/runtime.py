@@ -57,7 +57,7 @@ class Runtime(Backend):
             ids, starts = ids + more, starts + more_starts
         # one batched prefill-only call scores every choice (the shared prompt is computed once)
         outs = self.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                                    logprob_start_len=starts, **call.join_fields())
+                                    logprob_start_len=starts, **call.join_fields(), **call.lora_fields())
         lps = [[e[0] for e in o["meta_info"]["input_token_logprobs"] if e[0] is not None] for o in outs]
         n = len(choices)
         index, meta = choose(method, lps[:n], lps[n:] if len(lps) > n else None)
@@ -70,7 +70,7 @@ class Runtime(Backend):
         return self.engine.embed(texts, model=model)
 
     def cache_prefix(self, prompt: str, call: Call = Call()) -> None:
-        self.engine.generate(prompt, {"max_new_tokens": 0}, **call.join_fields())
+        self.engine.generate(prompt, {"max_new_tokens": 0}, **call.join_fields(), **call.lora_fields())
 
     def join_kv(self, fork_text: str, branch_texts: list[str], call: Call = Call()) -> dict | None:
         return self.engine.join_kv(fork_text, branch_texts, **call.join_fields())

@@ -36,7 +36,7 @@ class GenerateInput:
                  sampling_params: dict | list[dict] | None = None, return_logprob: bool | list[bool] = False,
                  logprob_start_len: int | list[int] = -1, top_logprobs_num: int | list[int] = 0,
                  return_text_in_logprobs: bool = False, stream: bool = False, rid: str | list[str] | None = None,
-                 kv_joins: list[str] | None = None):
+                 kv_joins: list[str] | None = None, lora_path: str | list[str | None] | None = None):
         check_json_value({"text": text, "rid": rid, "sampling_params": sampling_params})  # also for Engine callers
         if (text is None) == (input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
@@ -70,6 +70,8 @@ class GenerateInput:
             raise ValueError("rid values must be unique")
         self.rids = rids
         self.kv_joins = check_kv_joins(kv_joins)
+        # the LoRA adapter of each prompt (None: the base model)
+        self.lora = _per_item(lora_path, n, "lora_path", str)
 
 
 def _flag(value, name: str) -> bool:

@@ -29,10 +29,12 @@ from plait.runtime.ipc.messages import (
     FinishReason,
     FlushCacheReq,
     JoinKVReq,
+    LoadLoRAReq,
     SchedulerStats,
     ServerInfoReq,
     TokenizedGenerateReq,
     ToClient,
+    UnloadLoRAReq,
 )
 from plait.runtime.launch.launcher import RuntimeProcesses
 from plait.runtime.ipc.limits import RuntimeLimits, check_kv_joins, check_request_work, validate_request
@@ -57,6 +59,7 @@ class RuntimeClient:
         self.args = rt.args
         self.tokenizer = rt.tokenizer
         self.limits = rt.limits
+        self.lora_adapters: set[str] = set(rt.lora_adapters)  # the LoRA adapters the server serves, by name
         # the --embedding-model's (None: there is none)
         self.encoder_limits, self.encoder_tokenizer = rt.encoder_limits, rt.encoder_tokenizer
         self.metrics = metrics
@@ -114,7 +117,7 @@ class RuntimeClient:
         for i, ids in enumerate(ids_list):
             msg = TokenizedGenerateReq(inp.rids[i], list(ids), inp.params[i], inp.return_logprob[i],
                                        inp.logprob_start_len[i], inp.top_logprobs_num[i], inp.stream,
-                                       kv_joins=inp.kv_joins)
+                                       kv_joins=inp.kv_joins, lora=inp.lora[i])
             validate_request(msg, self.limits)
             msgs.append(msg)
         return msgs
@@ -318,6 +321,20 @@ class RuntimeClient:
             return {"join_id": None, "reason": reply.info.get("reason", "")}
         self._join_replica[reply.info["join_id"]] = replica
         return dict(reply.info)
+
+    async def load_lora(self, name: str, path: str) -> tuple[list[str], str]:
+        """Register a LoRA adapter on every replica: (the adapters served, "" or why not)."""
+        return await self._lora_control(lambda: LoadLoRAReq(uuid.uuid4().hex, name, path))
+
+    async def unload_lora(self, name: str) -> tuple[list[str], str]:
+        return await self._lora_control(lambda: UnloadLoRAReq(uuid.uuid4().hex, name))
+
+    async def _lora_control(self, make) -> tuple[list[str], str]:
+        replies = await self._control_all(make)
+        errors = [r.info["error"] for r in replies if not r.ok]
+        adapters = next((r.info["adapters"] for r in replies if r.ok), sorted(self.lora_adapters))
+        self.lora_adapters = set(adapters)
+        return sorted(self.lora_adapters), errors[0] if errors else ""
 
     async def flush_cache(self) -> bool:
         replies = await self._control_all(lambda: FlushCacheReq(uuid.uuid4().hex))

@@ -43,12 +43,12 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
                  logprob_start_len: int | list[int] = -1, top_logprobs_num: int | list[int] = 0,
                  stream: bool = False, return_text_in_logprobs: bool = False, rid: str | list[str] | None = None,
-                 kv_joins: list[str] | None = None):
+                 kv_joins: list[str] | None = None, lora_path: str | list[str | None] | None = None):
         """A dict (single request), a list of dicts (batch, in input order), or with stream=True an
         iterator of snapshots (cumulative text; batch snapshots carry "index"). kv_joins: join ids
-        from join_kv whose KV the request may reuse."""
+        from join_kv whose KV the request may reuse; lora_path: the LoRA adapter (by name) of each prompt."""
         inp = GenerateInput(prompt, input_ids, sampling_params, return_logprob, logprob_start_len, top_logprobs_num,
-                            return_text_in_logprobs, stream, rid, kv_joins)
+                            return_text_in_logprobs, stream, rid, kv_joins, lora_path)
         if stream:
             return self._stream(inp)
         return self._checked(self._run(self.client.first(self.client.generate(inp))))
@@ -59,10 +59,10 @@ class Engine:
                              return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] = -1,
                              top_logprobs_num: int | list[int] = 0, stream: bool = False,
                              return_text_in_logprobs: bool = False, rid: str | list[str] | None = None,
-                             kv_joins: list[str] | None = None):
+                             kv_joins: list[str] | None = None, lora_path: str | list[str | None] | None = None):
         """Async variant (any event loop); with stream=True returns an async iterator of snapshots."""
         inp = GenerateInput(prompt, input_ids, sampling_params, return_logprob, logprob_start_len, top_logprobs_num,
-                            return_text_in_logprobs, stream, rid, kv_joins)
+                            return_text_in_logprobs, stream, rid, kv_joins, lora_path)
         if stream:
             return self._astream(inp)
         coro = self.client.first(self.client.generate(inp))
@@ -103,6 +103,20 @@ class Engine:
         """concate_and_append: the KV of fork_text + all branch texts, built from each branch's own
         KV (RuntimeClient.join_kv). Name the returned join_id in later calls' kv_joins."""
         return self._checked(self._run(self.client.join_kv(fork_text, branch_texts, kv_joins)))
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> list[str]:
+        """Register a LoRA adapter (SGLang's name); returns the adapters served. ValueError: why not."""
+        adapters, error = self._run(self.client.load_lora(lora_name, lora_path))
+        if error:
+            raise ValueError(error)
+        return adapters
+
+    def unload_lora_adapter(self, lora_name: str) -> list[str]:
+        """Unregister a LoRA adapter; the requests running with it finish with it."""
+        adapters, error = self._run(self.client.unload_lora(lora_name))
+        if error:
+            raise ValueError(error)
+        return adapters
 
     def flush_cache(self) -> bool:
         return self._run(self.client.flush_cache())

@@ -17,7 +17,7 @@ from plait.runtime.entrypoints.common import (HTTPError, ServerState, constraine
 from plait.runtime.ipc.limits import MAX_JOIN_ID_CHARS, MAX_KV_JOINS
 
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                  "return_text_in_logprobs", "stream", "rid", "kv_joins"}
+                  "return_text_in_logprobs", "stream", "rid", "kv_joins", "lora_path"}
 # fields of SGLang's GenerateReqInput that clients such as sglang-router always send: accepted at the value that
 # asks for nothing plait lacks (None: any value of that type; logging switches change nothing here)
 _SGLANG_NOOP_KEYS: dict[str, tuple[type, object]] = {
@@ -57,7 +57,8 @@ def _generate_doc() -> dict:
         "logprob_start_len": one_or_many({"type": "integer", "minimum": -1}),
         "top_logprobs_num": one_or_many({"type": "integer", "minimum": 0}),
         "return_text_in_logprobs": {"type": "boolean"}, "stream": {"type": "boolean"},
-        "rid": one_or_many({"type": "string"}), "kv_joins": _kv_joins_schema()}}
+        "rid": one_or_many({"type": "string"}), "kv_joins": _kv_joins_schema(),
+        "lora_path": one_or_many({"type": ["string", "null"]})}}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
@@ -174,3 +175,31 @@ async def metrics(state: ServerState = Depends(server_state)):
     if state.metrics is None:
         raise HTTPError(404, "metrics are off: start the server with --enable-metrics")
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(request: Request, state: ServerState = Depends(server_state)):
+    """SGLang's route: {"lora_name", "lora_path"}; answers {"success", "error_message", "loaded_adapters"}."""
+    body = await read_json(request)
+    refuse_unknown("/load_lora_adapter", set(body) - {"lora_name", "lora_path", "pinned"})
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not isinstance(name, str) or not isinstance(path, str):
+        raise HTTPError(400, "lora_name and lora_path must be strings")
+    return await _lora_answer(state.client.load_lora(name, path))
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(request: Request, state: ServerState = Depends(server_state)):
+    """SGLang's route: {"lora_name"}; the requests running with the adapter finish with it."""
+    body = await read_json(request)
+    refuse_unknown("/unload_lora_adapter", set(body) - {"lora_name"})
+    if not isinstance(body.get("lora_name"), str):
+        raise HTTPError(400, "lora_name must be a string")
+    return await _lora_answer(state.client.unload_lora(body["lora_name"]))
+
+
+async def _lora_answer(call) -> JSONResponse:
+    adapters, error = await call
+    if error:
+        return JSONResponse({"success": False, "error_message": error, "loaded_adapters": adapters}, status_code=400)
+    return JSONResponse({"success": True, "error_message": "", "loaded_adapters": adapters})

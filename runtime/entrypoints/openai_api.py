@@ -39,10 +39,24 @@ async def parse_body(request: Request, model: type[BaseModel], state: ServerStat
         req = model.model_validate(body, strict=True)
     except ValidationError as e:
         raise HTTPError(400, validation_message(e.errors(include_url=False))) from None
-    if check_model and req.model is not None and req.model not in state.model_aliases:
-        raise HTTPError(404, f"The model `{shown(req.model)}` does not exist (this server serves "
-                            f"`{state.model_name}`).")
+    if check_model:
+        adapter_of(state, req.model)
     return req
+
+
+def adapter_of(state: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names: `base:adapter` or the adapter's own name (None: the base
+    model); a 404 for a name the server does not serve."""
+    if model is None or model in state.model_aliases:
+        return None
+    adapters = state.client.lora_adapters
+    base, _, name = model.rpartition(":")
+    if model in adapters:
+        return model
+    if base in state.model_aliases and name in adapters:
+        return name
+    served = ", ".join(f"`{n}`" for n in [state.model_name, *sorted(adapters)])
+    raise HTTPError(404, f"The model `{shown(model)}` does not exist (this server serves {served}).")
 
 
 def body_doc(model: type[BaseModel]) -> dict:
@@ -66,6 +80,9 @@ router = APIRouter()
 async def models(state: ServerState = Depends(server_state)):
     data = [{"id": state.model_name, "object": "model", "created": _START, "owned_by": "plait",
              "root": state.args.model_path, "max_model_len": state.client.limits.context_length}]
+    for name in sorted(state.client.lora_adapters):  # LoRA adapters over the model: `model: NAME` picks one
+        data.append({"id": name, "object": "model", "created": _START, "owned_by": "plait", "root": name,
+                     "parent": state.model_name, "max_model_len": state.client.limits.context_length})
     if state.encoder_name is not None:  # the --embedding-model
         data.append({"id": state.encoder_name, "object": "model", "created": _START, "owned_by": "plait",
                      "root": state.args.embedding_model_path,
@@ -79,7 +96,8 @@ async def completions(request: Request, state: ServerState = Depends(server_stat
     client = state.client
     if req.echo and req.logprobs is not None:
         raise HTTPError(400, "echo with logprobs is not supported")
-    msgs, prompts = await asyncio.to_thread(_completion_requests, client, req)  # tokenizing off the loop
+    lora = adapter_of(state, req.model)
+    msgs, prompts = await asyncio.to_thread(_completion_requests, client, req, lora)  # tokenizing off the loop
     states = client.submit(msgs)
     echo = [client.tokenizer.decode(ids) if req.echo and client.tokenizer else "" for ids in prompts]
     view = CompletionView(state, req, states, echo)
@@ -96,13 +114,15 @@ async def chat_completions(request: Request, state: ServerState = Depends(server
     return await _respond(request, client, states, view)
 
 
-def _completion_requests(client: RuntimeClient, req: CompletionRequest) -> tuple[list[TokenizedGenerateReq], list]:
+def _completion_requests(client: RuntimeClient, req: CompletionRequest, lora: str | None
+                         ) -> tuple[list[TokenizedGenerateReq], list]:
     prompts = _completion_prompts(client, req.prompt)
     msgs = []
     for ids in prompts:
         max_new = max_new_tokens(client, len(ids), req.max_tokens)
         for i in range(req.n):
-            msgs.append(tokenized_request(client, ids, req.sampling_params(max_new, i), req.logprobs, req.stream))
+            msgs.append(tokenized_request(client, ids, req.sampling_params(max_new, i), req.logprobs, req.stream,
+                                          lora))
     return msgs, prompts
 
 
@@ -120,7 +140,8 @@ def chat_requests(state: ServerState, req: ChatCompletionRequest) -> tuple[list[
     except ValueError as e:  # the schema policy's refusal of an embedded schema
         raise HTTPError(400, str(e)) from None
     params = [{**req.sampling_params(max_new, i), **forced} for i in range(req.n)]
-    return [tokenized_request(client, ids, params[i], top, req.stream) for i in range(req.n)], inside
+    lora = adapter_of(state, req.model)
+    return [tokenized_request(client, ids, params[i], top, req.stream, lora) for i in range(req.n)], inside
 
 
 _START = int(time.time())
@@ -301,9 +322,9 @@ def max_new_tokens(client: RuntimeClient, prompt_len: int, requested: int | None
 
 
 def tokenized_request(client: RuntimeClient, ids: list[int], params: dict, top_logprobs: int | None,
-             stream: bool) -> TokenizedGenerateReq:
+                      stream: bool, lora: str | None = None) -> TokenizedGenerateReq:
     msg = TokenizedGenerateReq(f"oai-{uuid.uuid4().hex}", ids, SamplingParams.from_dict(params),
                                return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
-                               stream=stream)
+                               stream=stream, lora=lora)
     validate_request(msg, client.limits)
     return msg

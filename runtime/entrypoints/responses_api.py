@@ -166,7 +166,8 @@ def _text(content) -> str:
 
 
 def _chat_request(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
-    body: dict[str, Any] = {"messages": messages, "stream": req.stream, "max_tokens": req.max_output_tokens,
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream,
+                            "max_tokens": req.max_output_tokens,
                             "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
                             "parallel_tool_calls": req.parallel_tool_calls}
     body.update(req.model_dump(include=_EXTRAS, exclude_none=True))

@@ -78,6 +78,8 @@ class ForwardBatch:
     # and write; None when they share the full slots
     windowed: "ForwardBatch | None" = None
     has_prompt: bool = True  # some item is a prompt chunk (EXTEND); False: decode and verify items only
+    # LoRA adapters: (start, stop, slot) runs of flat tokens computed with adapter `slot` (runtime/lora); None: none
+    lora: list[tuple[int, int, int]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -58,6 +58,8 @@ def validate_request(msg: TokenizedGenerateReq, limits: RuntimeLimits) -> None:
     if not -1 <= msg.logprob_start_len <= INT64_MAX:
         raise ValueError("logprob_start_len must be >= -1 and fit in 64 bits")
     check_kv_joins(msg.kv_joins)
+    if msg.lora is not None and (not isinstance(msg.lora, str) or not msg.lora or msg.kv_joins):
+        raise ValueError("lora_path must name a loaded LoRA adapter (and KV joins take no adapter)")
 
 
 def _check_embed(msg: TokenizedGenerateReq, limits: RuntimeLimits) -> None:

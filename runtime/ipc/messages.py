@@ -33,6 +33,7 @@ class TokenizedGenerateReq(msgspec.Struct, frozen=True, tag=True):
     group: str = ""  # sequences of one client request (a batch, n choices) share a group; "" alone
     kv_joins: list[str] = []  # concate_and_append joins whose KV this request may reuse (JoinKVReq)
     embed: EmbedSpec | None = None  # an embedding request (max_new_tokens 0)
+    lora: str | None = None  # the LoRA adapter it runs with (by name), None: the base model
 
 
 class AbortReq(msgspec.Struct, frozen=True, tag=True):
@@ -132,6 +133,21 @@ class JoinKVReq(msgspec.Struct, frozen=True, tag=True):
     kv_joins: list[str] = []  # joins the parts themselves were computed under
 
 
+class LoadLoRAReq(msgspec.Struct, frozen=True, tag=True):
+    """Register a LoRA adapter (runtime/lora); the reply's info: {"adapters"} or {"error"}."""
+
+    req_id: str
+    name: str
+    path: str
+
+
+class UnloadLoRAReq(msgspec.Struct, frozen=True, tag=True):
+    """Unregister a LoRA adapter (the requests running with it finish first); the reply as LoadLoRAReq's."""
+
+    req_id: str
+    name: str
+
+
 class ControlReply(msgspec.Struct, frozen=True, tag=True):
     """The scheduler's answer to a FlushCacheReq, ServerInfoReq or JoinKVReq with the same req_id."""
 
@@ -152,6 +168,6 @@ class SchedulerStats(msgspec.Struct, frozen=True, tag=True):
     replica: int = 0  # the data-parallel replica whose scheduler sent it
 
 
-ToScheduler = TokenizedGenerateReq | AbortReq | FlushCacheReq | ServerInfoReq | JoinKVReq
+ToScheduler = TokenizedGenerateReq | AbortReq | FlushCacheReq | ServerInfoReq | JoinKVReq | LoadLoRAReq | UnloadLoRAReq
 ToDetokenizer = BatchTokenOut | ControlReply | SchedulerStats
 ToClient = BatchStrOut | ControlReply | SchedulerStats

@@ -48,6 +48,7 @@ class RuntimeProcesses:
     # the --embedding-model's, when there is one
     encoder_limits: RuntimeLimits | None = None
     encoder_tokenizer: Any = None
+    lora_adapters: list[str] = dataclasses.field(default_factory=list)  # loaded at start (--lora-paths)
 
     def dead(self) -> list[str]:
         """Names of children that have exited."""
@@ -129,6 +130,7 @@ class StartingRuntime:
                 handle.tokenizer, handle.encoder_tokenizer = tok.result() if tok is not None else (None, None)
             if "scheduler" in replies:
                 handle.limits = RuntimeLimits(**replies["scheduler"]["limits"])
+                handle.lora_adapters = replies["scheduler"].get("lora_adapters", [])
                 encoder = replies["scheduler"].get("encoder_limits")
                 handle.encoder_limits = RuntimeLimits(**encoder) if encoder else None
         except BaseException:

@@ -38,6 +38,7 @@ from plait.kernels.cpu_fused import act_mul, add_rms_norm, rms_norm
 from plait.kernels.cpu_linear import MAX_ROWS, block_bf16, skinny_linear
 from plait.kernels.cpu_quant import BlockTensor
 from plait.runtime.distributed.group import SINGLE, Group, partition
+from plait.runtime.forward.batch import current_batch
 
 
 WeightLoader = Callable[[torch.Tensor], None]
@@ -207,6 +208,8 @@ class Linear(nn.Module):
         self.method = method
         method.create_weights(self)
         self.bias = empty_param(self.out_features, dtype=bias_dtype) if bias else None
+        # LoRA adapters (runtime/lora/manager.py): slot -> (A [R, in], scaling * B [out, R]) over all the shards
+        self.lora: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _rows(self, shard: str, tensor_rows: int, what: str) -> int:
         if shard not in self.shard_rows:
@@ -252,21 +255,46 @@ class Linear(nn.Module):
         return self.group.all_reduce(y) if self.keep_cols is not None else y
 
     def forward(self, x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-        return self._reduce(self.method.apply(self, x, batch_invariant))
+        y = self._reduce(self.method.apply(self, x, batch_invariant))
+        segments = self._lora_segments()
+        return y if segments is None else self._add_lora(x, y, segments)
 
+    # with adapters in the batch, the fused paths run unfused: the adapters read the layer's input
     def forward_normed(self, x: torch.Tensor, norm_w: torch.Tensor, eps: float, batch_invariant: bool = False
                        ) -> torch.Tensor:
         """self(rms_norm(x, norm_w, eps))."""
+        if self._lora_segments() is not None:
+            return self.forward(rms_norm(x, norm_w, eps), batch_invariant)
         return self.method.apply_normed(self, x, norm_w, eps, batch_invariant)
 
     def forward_add_normed(self, x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
                            batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, self(rms_norm(x + residual, norm_w, eps))): the residual stream and the next input."""
+        if self._lora_segments() is not None:
+            x, h = add_rms_norm(x, residual, norm_w, eps)
+            return x, self.forward(h, batch_invariant)
         return self.method.apply_add_normed(self, x, residual, norm_w, eps, batch_invariant)
 
     def forward_act_mul(self, gate_up: torch.Tensor, batch_invariant: bool = False, act: str = "silu") -> torch.Tensor:
         """self(act(gate) * up), gate_up = gate | up."""
+        if self._lora_segments() is not None:
+            return self.forward(act_mul(gate_up, act), batch_invariant)
         return self._reduce(self.method.apply_act_mul(self, gate_up, act, batch_invariant))
+
+    def _lora_segments(self) -> list[tuple[int, int, int]] | None:
+        """The active batch's adapter segments (start, stop, slot) when this layer has adapters, else None."""
+        if not self.lora:
+            return None
+        return current_batch().lora or None
+
+    def _add_lora(self, x: torch.Tensor, y: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
+        """y += B (A x) per segment of rows, each with its own adapter (a segmented low-rank matmul)."""
+        for start, stop, slot in segments:
+            pair = self.lora.get(slot)
+            if pair is not None:
+                a, b = pair
+                y[start:stop] += (x[start:stop].float() @ a.T) @ b.T
+        return y
 
 
 class QKVLinear(Linear):

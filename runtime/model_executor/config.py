@@ -32,3 +32,6 @@ class RunnerConfig(NarrowConfig):
     # threads
     num_threads: int
     thread_policy: str
+    # LoRA adapters
+    lora_paths: tuple[str, ...]
+    lora_memory_mb: int

@@ -19,6 +19,7 @@ from plait.runtime.forward.batch import ForwardBatch, ForwardMode, build_group, 
 from plait.runtime.model_executor.graph_runner import build_graph_runner
 from plait.runtime.model_executor.threads import ThreadGovernor, apply
 from plait.runtime.model_config import SLIDING
+from plait.runtime.lora.manager import LoRAManager, lora_paths
 from plait.runtime.model_loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class WorkItem:
     # node that node i follows (-1: the sampled token). Node i sits at position cached_len + its depth and
     # attends to the keys before the sampled token, that token, its ancestors and itself
     tree: list[int] | None = None
+    lora: int = -1  # the LoRA adapter's slot its tokens are computed with (runtime/lora); -1: the base model
 
 
 @dataclass
@@ -80,6 +82,12 @@ class ModelRunner:
                             packed=not args.disable_packed_weights, group=group,
                             matmul=args.quantized_matmul)
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        # LoRA adapters over the base weights (a decoder's): --lora-paths now, /load_lora_adapter later
+        self.lora = LoRAManager(self.model, args.lora_memory_mb << 20) if self.config.causal else None
+        if args.lora_paths and (self.lora is None or group.distributed):
+            raise ValueError("LoRA adapters need a decoder model on one rank (no encoder, no tensor parallelism)")
+        for name, path in lora_paths(args.lora_paths):
+            self.lora.register(name, path)
         self.num_kv_heads = self.model.layers[0].num_kv_heads  # this rank's share
         self.weight_formats = self.model.weight_formats()
         self.context_length = args.context_length or self.config.context_length
@@ -230,10 +238,13 @@ class ModelRunner:
         ordered = ext + dec
         table = self.req_to_token.table
         ids, pos, slots, logit_rows, item_of_row = [], [], [], [], []
+        lora: list[tuple[int, int, int]] = []
         start = 0
         for i in ordered:
             it = items[i]
             n = len(it.tokens)
+            if it.lora >= 0:
+                lora.append((start, start + n, it.lora))
             ids.extend(it.tokens)
             offsets = torch.arange(n) if it.tree is None else torch.tensor([0] + tree_depths(it.tree))
             pos.append(it.cached_len + offsets)
@@ -270,6 +281,7 @@ class ModelRunner:
             logits_rows=torch.tensor(logit_rows, dtype=torch.int64),
             batch_invariant=self.batch_invariant,
             has_prompt=any(it.mode is ForwardMode.EXTEND for it in items),
+            lora=lora or None,
         )
         if self.window_layers:
             fb.windowed = fb.in_slots(self.allocator.window_of)

@@ -54,7 +54,8 @@ class KVManager:
 
     def match_len(self, req: Req) -> int:
         """How many tokens admission would take from the cache (for lpm ordering)."""
-        match = self.cache.match_prefix(req.fill_ids, joins=req.kv_joins, window=self.window)
+        match = self.cache.match_prefix(req.fill_ids, joins=req.kv_joins, window=self.window,
+                                        namespace=req.cache_namespace)
         return min(len(match.indices), req.max_prefix_match())
 
     def admit(self, req: Req) -> bool:
@@ -64,7 +65,8 @@ class KVManager:
             return False
         limit = req.max_prefix_match()
         limit -= limit % self.page_size
-        match = self.cache.match_prefix(req.fill_ids[:limit], count=True, joins=req.kv_joins, window=self.window)
+        match = self.cache.match_prefix(req.fill_ids[:limit], count=True, joins=req.kv_joins, window=self.window,
+                                        namespace=req.cache_namespace)
         m = len(match.indices)
         self.table[row, :m] = match.indices
         self.cache.lock(match.node)
@@ -121,10 +123,10 @@ class KVManager:
             return
         key = req.fill_ids[:aligned]
         slots = self.table[req.kv.row, :aligned]
-        present = self.cache.insert(key, slots, joins=req.kv_joins)
+        present = self.cache.insert(key, slots, joins=req.kv_joins, namespace=req.cache_namespace)
         if present > req.kv.tree_len:  # another request cached these first: ours are duplicates
             self.allocator.free(slots[req.kv.tree_len : present].clone())
-        match = self.cache.match_prefix(key, joins=req.kv_joins)
+        match = self.cache.match_prefix(key, joins=req.kv_joins, namespace=req.cache_namespace)
         self.table[req.kv.row, :aligned] = match.indices
         self.cache.lock(match.node)
         covered = self.cache.lock_window(match.node, self.window)

@@ -26,11 +26,13 @@ from plait.runtime.ipc.messages import (
     FinishReason,
     FlushCacheReq,
     JoinKVReq,
+    LoadLoRAReq,
     SchedulerStats,
     ServerInfoReq,
     TokenizedGenerateReq,
     TokenOut,
     ToScheduler,
+    UnloadLoRAReq,
 )
 from plait.runtime.distributed.place import RankPlace, join
 from plait.runtime.ipc.channels import Addresses, BadMessage, Receiver, Sender
@@ -64,6 +66,7 @@ def run_scheduler_process(args: ServerArgs, addrs: Addresses, place: RankPlace, 
         emit = lambda outs: out.send(BatchTokenOut(outs))  # noqa: E731
         scheduler = Scheduler(args, runner, emit)
         reply["limits"] = msgspec.to_builtins(scheduler.limits)
+        reply["lora_adapters"] = runner.lora.names() if runner.lora is not None else []
         encoder = None
         if args.embedding_model_path:
             encoder_args = args.encoder_args()
@@ -163,6 +166,12 @@ class _Loop:
             self.out.send(ControlReply(msg.req_id, s.flush_cache()))
         elif isinstance(msg, ServerInfoReq):
             self.out.send(ControlReply(msg.req_id, True, s.stats(check=True)))
+        elif isinstance(msg, LoadLoRAReq):
+            info = s.load_lora(msg.name, msg.path)
+            self.out.send(ControlReply(msg.req_id, "error" not in info, info))
+        elif isinstance(msg, UnloadLoRAReq):
+            info = s.unload_lora(msg.name)
+            self.out.send(ControlReply(msg.req_id, "error" not in info, info))
         elif isinstance(msg, JoinKVReq):
             try:
                 info = s.join_kv(msg)

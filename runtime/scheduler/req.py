@@ -93,9 +93,11 @@ class Stream:
 
 
 class Req:
-    def __init__(self, msg: TokenizedGenerateReq, seed: int, pooling: str | None = None, whole: bool = False):
+    def __init__(self, msg: TokenizedGenerateReq, seed: int, pooling: str | None = None, whole: bool = False,
+                 lora_slot: int = -1):
         """`pooling`: an embedding request's (resolved: the model's where it names none); `whole`: its prompt is
-        computed in one forward, none of it cached (an encoder's tokens attend both ways)."""
+        computed in one forward, none of it cached (an encoder's tokens attend both ways); `lora_slot`: the slot
+        of the LoRA adapter it runs with (-1: none), held for it by the runner's LoRAManager."""
         self.rid = msg.rid
         self.group = msg.group
         self.origin_input_ids: list[int] = list(msg.input_ids)
@@ -112,6 +114,7 @@ class Req:
         self.stream = Stream()
         self.embedding = Embedding(pooling) if pooling is not None else None
         self.whole = whole
+        self.lora, self.lora_slot = msg.lora, lora_slot
         self.finish: FinishReason | None = None  # how it ended (end)
         self.failed = False  # ended by a fault of its own (faults.py)
         self.arrival = time.perf_counter()
@@ -123,6 +126,12 @@ class Req:
     def end(self, reason: FinishReason, failed: bool = False) -> None:
         self.finish = reason
         self.failed = self.failed or failed
+
+    @property
+    def cache_namespace(self) -> str:
+        """Where its KV is cached: a LoRA adapter's KV is its own (a slot is never reused: a reloaded adapter starts
+        afresh)."""
+        return f"lora{self.lora_slot}" if self.lora_slot >= 0 else ""
 
     @property
     def matcher(self):

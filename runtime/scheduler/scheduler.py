@@ -91,11 +91,42 @@ class Scheduler:
         validate_request(msg, self.limits)
         self._seed_counter += 1
         pooling = (msg.embed.pooling or self.runner.config.pooling) if msg.embed is not None else None
-        req = Req(msg, self._seed_counter, pooling, whole=not self.causal)
-        if req.params.grammar is None:
-            self.waiting.append(req)
-        else:  # parked until its grammar compiles
-            self.grammars.submit(req, *req.params.grammar)
+        slot = self._acquire_lora(msg.lora) if msg.lora is not None else -1
+        req = Req(msg, self._seed_counter, pooling, whole=not self.causal, lora_slot=slot)
+        try:
+            if req.params.grammar is None:
+                self.waiting.append(req)
+            else:  # parked until its grammar compiles
+                self.grammars.submit(req, *req.params.grammar)
+        except BaseException:
+            if msg.lora is not None:
+                self.runner.lora.release(msg.lora)
+            raise
+
+    def _acquire_lora(self, name: str) -> int:
+        if self.runner.lora is None:
+            raise ValueError("this model takes no LoRA adapter")
+        return self.runner.lora.acquire(name).slot
+
+    def load_lora(self, name: str, path: str) -> dict:
+        """Register an adapter: {"adapters"} (every name now served), or {"error"} (nothing changed)."""
+        if self.runner.lora is None:
+            return {"error": "this model takes no LoRA adapter"}
+        try:
+            self.runner.lora.register(name, path)
+        except ValueError as e:
+            return {"error": str(e)}
+        return {"adapters": self.runner.lora.names()}
+
+    def unload_lora(self, name: str) -> dict:
+        """Unregister an adapter; the requests running with it finish with it."""
+        if self.runner.lora is None:
+            return {"error": "this model takes no LoRA adapter"}
+        try:
+            self.runner.lora.unregister(name)
+        except ValueError as e:
+            return {"error": str(e)}
+        return {"adapters": self.runner.lora.names()}
 
     def abort(self, msg: AbortReq) -> None:
         for queue in (self.grammars.compiling, self.waiting, self.running):
@@ -261,6 +292,8 @@ class Scheduler:
             (self.running if req in done else self.waiting).remove(req)
             self.kv.release(req)
             self.speculation.release(req)
+            if req.lora is not None:
+                self.runner.lora.release(req.lora)
             if req.failed:
                 self.num_failed += 1
         if outs:
@@ -306,4 +339,5 @@ class Scheduler:
             "tokens_generated": self.tokens_generated,
             **self.grammars.stats(),
             **self.speculation.stats(),
+            **(self.runner.lora.stats() if self.runner.lora is not None else {}),
         }

@@ -58,7 +58,7 @@ def work_item(work: Work) -> WorkItem:
     if start + n == req.fill_len:
         offsets.extend(range(n - 1 - len(req.draft.tokens), n))
     tree = req.draft.parents if work.mode is ForwardMode.TARGET_VERIFY else None
-    return WorkItem(req.kv.row, start, req.fill_ids[start : start + n], offsets, work.mode, tree)
+    return WorkItem(req.kv.row, start, req.fill_ids[start : start + n], offsets, work.mode, tree, req.lora_slot)
 
 
 class Step:
