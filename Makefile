@@ -7,7 +7,7 @@ SGLANG_STAMP := $(VENV)/.sglang-frontend
 # CPU torch build used where no GPU (and no torch of the user's) is present.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup models run demo test test-slow test-frameworks test-reliability bench bench-serving bench-structured bench-programs bench-speculative bench-embeddings bench-moe bench-parallel bench-peers train-eagle clean
+.PHONY: setup models run demo test test-slow test-frameworks test-reliability bench bench-serving bench-structured bench-programs bench-speculative bench-embeddings bench-lora bench-moe bench-parallel bench-peers train-eagle clean
 
 setup: $(STAMP)
 
@@ -110,6 +110,11 @@ bench-speculative: setup $(BENCH_STAMP)
 bench-embeddings: setup $(BENCH_STAMP)
 	$(PY) -m pip install -q --no-deps evals==3.0.1.post1
 	$(PY) benchmarks/bench_embeddings.py
+
+# LoRA adapters: 16 streams over 1, 4 and 8 adapters against the base model (PEFT's default shape, then every projection)
+bench-lora: setup $(BENCH_STAMP)
+	$(PY) benchmarks/bench_lora.py --rank 8 --modules q_proj,v_proj
+	$(PY) benchmarks/bench_lora.py --rank 16 --results lora_all.md
 
 # the MoE layer on CPU (plait's path against a per-expert loop), and on a GPU when present
 bench-moe: setup $(BENCH_STAMP)

@@ -43,7 +43,44 @@ class _Step(ctypes.Structure):
     _fields_ = [("rows", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("cos", PTR * 2), ("sin", PTR * 2), ("out_slots", PTR * 2), ("kv_slots", PTR * 2),
                 ("kv_lens", PTR), ("max_len", _I64), ("kv_fmt", _I64), ("act", _I64), ("eps", _F32),
-                ("scale", _F32), ("threads", _I64), ("invariant", _I64)]
+                ("scale", _F32), ("threads", _I64), ("invariant", _I64),
+                ("lora", PTR), ("lora_row", PTR), ("lora_k", _I64), ("lora_rmax", _I64)]
+
+
+class _LoraPair(ctypes.Structure):
+    _fields_ = [("a", PTR), ("bt", PTR), ("r", _I64)]
+
+
+LORA_PROJECTIONS = 4  # per layer, in the C table's order: qkv, o, gate_up, down
+
+
+class LoraTable:
+    """The pairs of the adapters `slots` (in that order) for every layer's four projections, as the C stack reads
+    them: `pairs[layer][projection]` maps a slot to (A [r, k], (scaling * B)^T [r, n]), float32 contiguous."""
+
+    def __init__(self, slots: tuple[int, ...], pairs: list[list[dict[int, tuple[torch.Tensor, torch.Tensor]]]]):
+        entries, self._keep, rmax = [], [], 1
+        for layer in pairs:
+            if len(layer) != LORA_PROJECTIONS:
+                raise ValueError(f"a layer has {len(layer)} projections' pairs, the stack takes {LORA_PROJECTIONS}")
+            for by_slot in layer:
+                for slot in slots:
+                    pair = by_slot.get(slot)
+                    if pair is None:
+                        entries.append(_LoraPair())
+                        continue
+                    a, bt = pair
+                    if a.dtype is not torch.float32 or bt.dtype is not torch.float32 or not (
+                            a.is_contiguous() and bt.is_contiguous()) or bt.shape[0] != a.shape[0]:
+                        raise ValueError("LoRA pairs must be contiguous float32 A [r, k] and B^T [r, n]")
+                    self._keep.append(pair)  # the table points into them
+                    entries.append(_LoraPair(a.data_ptr(), bt.data_ptr(), a.shape[0]))
+                    rmax = max(rmax, a.shape[0])
+        self.slots, self.rmax = slots, rmax
+        self._table = (_LoraPair * len(entries))(*entries)
+
+    def ptr(self) -> int:
+        return ctypes.addressof(self._table)
 
 
 @dataclass(frozen=True)
@@ -141,10 +178,23 @@ class DecodeLayers:
                       s.v_pool.stride(0), s.window, int(s.windowed), int(s.local_rope), s.softcap, _ptr(s.q_norm),
                       _ptr(s.k_norm))
 
-    def __call__(self, x: torch.Tensor, t: StepTables, invariant: bool) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, t: StepTables, invariant: bool,
+                 lora: tuple[LoraTable, torch.Tensor] | None = None) -> torch.Tensor:
+        """`lora`: the step's adapters' table and each row's index into its slots (int64, -1: none)."""
         if x.dtype is not torch.float32 or not x.is_contiguous() or x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x must be contiguous float32 [rows, {self.hidden}], got {tuple(x.shape)} {x.dtype}")
         step = self._step
+        if lora is None:
+            step.lora = step.lora_row = None
+        else:
+            table, rows = lora
+            if rows.dtype is not torch.int64 or rows.shape != (x.shape[0],) or not rows.is_contiguous():
+                raise ValueError("the LoRA rows must be contiguous int64, one per row")
+            if int(rows.max()) >= len(table.slots) or len(table._table) != len(self.layers) * LORA_PROJECTIONS * len(
+                    table.slots):
+                raise ValueError("the LoRA table does not fit the rows or the layers")
+            step.lora, step.lora_row = table.ptr(), rows.data_ptr()
+            step.lora_k, step.lora_rmax = len(table.slots), table.rmax
         step.rows, step.max_len = x.shape[0], t.kv_slots[0].shape[1]
         for i in range(2):
             # an absent set or table is never read: no layer names it

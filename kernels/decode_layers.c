@@ -38,6 +38,13 @@ typedef struct {
   const float *q_norm, *k_norm;  // per-head RMS norms of q and k [head_dim] before RoPE; NULL: none
 } Layer;
 
+// a LoRA adapter's pair for one projection: A [r, k] and (scaling * B)^T [r, n]; a == NULL: it leaves the
+// projection alone
+typedef struct {
+  const float *a, *bt;
+  int64_t r;
+} LoraPair;
+
 // the batch: `rows` decode tokens, one per request
 typedef struct {
   int64_t rows, hidden, heads, kv_heads, head_dim;
@@ -49,7 +56,50 @@ typedef struct {
   int64_t kv_fmt, act;             // FMT_F32 / FMT_BF16; 0: SiLU, 1: GELU (tanh)
   float eps, scale;
   int64_t threads, invariant;
+  // LoRA adapters (runtime/lora): lora[(layer * 4 + projection) * lora_k + adapter] for projections qkv, o, gate_up,
+  // down; lora_row[row]: the row's adapter (-1: none); NULL lora: the base model only
+  const LoraPair *lora;
+  const int64_t *lora_row;
+  int64_t lora_k, lora_rmax;
 } Step;
+
+// y [m, n] += B (A in_r) for each row r run with an adapter that has a pair for this projection (`pairs`: the step's
+// `count` adapters' pairs for it): a segmented low-rank product. `order` lists the rows grouped by adapter, adapter
+// a's from start[a] to start[a + 1]: each pair is read once for all its rows, the threads splitting its rank (A)
+// and then its outputs (B^T, in runs of columns each row adds to in place). tmp: [m, rmax].
+static void lora_add(const LoraPair *pairs, int64_t count, const int64_t *order, const int64_t *start,
+                     const float *in, int64_t k, float *y, int64_t n, float *tmp, int64_t rmax, int threads) {
+#pragma omp parallel num_threads(threads)
+  for (int64_t ad = 0; ad < count; ++ad) {
+    const LoraPair *p = &pairs[ad];
+    const int64_t first = start[ad], rows = start[ad + 1] - first, r = p->r;
+    if (!p->a || !rows) continue;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < r; ++i) {
+      const float *ar = p->a + i * k;
+      for (int64_t c = 0; c < rows; ++c) {
+        const float *xr = in + order[first + c] * k;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t j = 0; j < k; ++j) acc += ar[j] * xr[j];
+        tmp[(first + c) * rmax + i] = acc;
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t j0 = 0; j0 < n; j0 += 64) {
+      const int64_t width = n - j0 < 64 ? n - j0 : 64;
+      for (int64_t c = 0; c < rows; ++c) {
+        const float *t = tmp + (first + c) * rmax;
+        float *yr = y + order[first + c] * n + j0;
+        for (int64_t i = 0; i < r; ++i) {
+          const float ti = t[i], *bt = p->bt + i * n + j0;
+#pragma omp simd
+          for (int64_t jj = 0; jj < width; ++jj) yr[jj] += ti * bt[jj];
+        }
+      }
+    }
+  }
+}
 
 // the projection's output width: its parts' side by side
 static int64_t proj_width(const Proj *p) {
@@ -102,16 +152,42 @@ int decode_layers(const Layer *layers, int64_t count, const Step *s, float *x) {
   }
   // wide: qkv or gate | up (part: one part of it); q: rotated queries; attn: attention output; y: o_proj /
   // down_proj output; normed: a normed input; post: a sublayer's output normed (Gemma)
-  float *buf = (float *)malloc(sizeof(float) * (size_t)(m * (2 * widest + 2 * hq * d + hq + 3 * h)));
+  const int64_t rmax = s->lora ? s->lora_rmax : 0;
+  float *buf = (float *)malloc(sizeof(float) * (size_t)(m * (2 * widest + 2 * hq * d + hq + 3 * h + rmax)));
   if (!buf) return -1;
   float *wide = buf, *part = wide + m * widest, *q = part + m * widest, *attn = q + m * hq * d;
   float *lse = attn + m * hq * d, *y = lse + m * hq, *normed = y + m * h, *post = normed + m * h;
+  float *lora_tmp = post + m * h;
   const int threads = (int)s->threads, invariant = (int)s->invariant;
+  // with adapters: the rows grouped by adapter (the same for every layer), and each projection's input made whole
+  // (the kernels fuse it into their matmul otherwise)
+  int64_t *order = NULL, *start = NULL;
+  if (s->lora) {
+    order = (int64_t *)malloc(sizeof(int64_t) * (size_t)(m + s->lora_k + 1));
+    if (!order) {
+      free(buf);
+      return -1;
+    }
+    start = order + m;
+    int64_t at = 0;
+    for (int64_t ad = 0; ad < s->lora_k; ++ad) {
+      start[ad] = at;
+      for (int64_t r = 0; r < m; ++r)
+        if (s->lora_row[r] == ad) order[at++] = r;
+    }
+    start[s->lora_k] = at;
+  }
+#define LORA(proj, in, k, out, n) \
+  lora_add(s->lora + (i * 4 + (proj)) * s->lora_k, s->lora_k, order, start, in, k, out, n, lora_tmp, rmax, threads)
   for (int64_t i = 0; i < count; ++i) {
     const Layer *l = &layers[i];
     // a window layer's slots are the window set where the batch has one (the pool keeps every token otherwise)
     const int64_t set = l->slot_set && s->out_slots[1] ? 1 : 0, rs = l->rope_set;
     project(&l->qkv, x, m, h, RMS_NORM, l->input_norm, s->eps, NULL, wide, normed, part, threads, invariant);
+    if (s->lora) {
+      rms_norm(x, l->input_norm, normed, m, h, s->eps, threads);
+      LORA(0, normed, h, wide, proj_width(&l->qkv));
+    }
     if (l->q_norm) {
       const int64_t width = (hq + 2 * hkv) * d;
       head_rms_norm(wide, m, width, hq, d, l->q_norm, s->eps, threads);
@@ -124,6 +200,7 @@ int decode_layers(const Layer *layers, int64_t count, const Step *s, float *x) {
                     (int)s->kv_fmt, threads);
     quant_linear(attn, l->o.w, l->o.bias, y, m, h, hq * d, (int)l->o.fmt, AS_IS, NULL, 0.f, NULL, threads, invariant,
                  (int)l->o.exact);
+    if (s->lora) LORA(1, attn, hq * d, y, h);
     const float *residual = y;
     if (l->attn_out_norm) {
       rms_norm(y, l->attn_out_norm, post, m, h, s->eps, threads);
@@ -132,8 +209,16 @@ int decode_layers(const Layer *layers, int64_t count, const Step *s, float *x) {
     // x += residual, then gate | up of its norm
     project(&l->gate_up, x, m, h, ADD_RMS_NORM, l->post_norm, s->eps, residual, wide, normed, part, threads,
             invariant);
+    if (s->lora) {  // x now holds the sum
+      rms_norm(x, l->post_norm, normed, m, h, s->eps, threads);
+      LORA(2, normed, h, wide, proj_width(&l->gate_up));
+    }
     quant_linear(wide, l->down.w, l->down.bias, y, m, h, l->down.k, (int)l->down.fmt, s->act ? GELU_MUL : SILU_MUL,
                  NULL, 0.f, NULL, threads, invariant, (int)l->down.exact);
+    if (s->lora) {
+      (s->act ? gelu_mul : silu_mul)(wide, part, m, l->down.k, threads);
+      LORA(3, part, l->down.k, y, h);
+    }
     const float *mlp = y;
     if (l->mlp_out_norm) {
       rms_norm(y, l->mlp_out_norm, post, m, h, s->eps, threads);
@@ -142,6 +227,8 @@ int decode_layers(const Layer *layers, int64_t count, const Step *s, float *x) {
 #pragma omp simd
     for (int64_t j = 0; j < m * h; ++j) x[j] += mlp[j];
   }
+#undef LORA
+  free(order);
   free(buf);
   return 0;
 }

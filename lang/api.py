@@ -253,7 +253,7 @@ class SglFunction:
         if global_config.enable_precache_with_tracing and len(batch) > 1:
             prefix = common_prefix(self.func, backend.roles(), [{**self.bound, **kw} for kw in batch])
             if prefix:
-                backend.cache_prefix(prefix)
+                backend.cache_prefix(prefix, Call(lora=run_kwargs.get("lora")))  # in the adapter's cache
         workers = min(len(batch), 64) if num_threads == "auto" else max(int(num_threads), 1)
         if generator_style:
             return self._run_stream(batch, workers, progress_bar, backend, run_kwargs)

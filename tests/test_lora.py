@@ -214,6 +214,17 @@ def test_http_routes_and_model_names(adapters, reference):
                                                        "temperature": 0, "ignore_eos": True})
                 assert r.status_code == 200 and r.json()["choices"][0]["text"] == native.json()["text"]
             assert http.post("/v1/completions", json={"model": f"{base}:nobody", "prompt": "x"}).status_code == 404
+            import plait as pl
+
+            @pl.function
+            def program(s, adapter=None):
+                s += PROMPT + pl.gen("answer", max_tokens=NEW, temperature=0, ignore_eos=True, lora=adapter)
+
+            endpoint = pl.RuntimeEndpoint(srv.url)
+            assert program.run(adapter="poet", backend=endpoint)["answer"] == native.json()["text"]  # per gen
+            assert program.run(backend=endpoint)["answer"] != native.json()["text"]  # the base
+            defaults = program.run_batch([{}, {}], backend=endpoint, lora="poet")  # the program's default
+            assert [st["answer"] for st in defaults] == [native.json()["text"]] * 2
             bad = http.post("/generate", json={"text": PROMPT, "lora_path": "nobody"})
             assert bad.status_code == 400 and "not loaded" in bad.json()["error"]["message"]
             loaded = http.post("/load_lora_adapter", json={"lora_name": "zorb", "lora_path": adapters["zorb"]}).json()
@@ -227,3 +238,73 @@ def test_http_routes_and_model_names(adapters, reference):
             assert http.get("/health").status_code == 200
     finally:
         assert srv.stop() == 0
+
+
+def _gguf_lora(peft_folder: str, out: str, heads: tuple[int, int]) -> str:
+    """The PEFT adapter as llama.cpp's convert_lora_to_gguf.py writes it: `blk.N.attn_q.weight.lora_a` [r, in] and
+    `.lora_b` [out, r] in float16, q's and k's B rows permuted as llama.cpp permutes the model's, the alpha in the
+    metadata."""
+    import gguf
+    from safetensors.torch import load_file
+
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    with open(os.path.join(peft_folder, "adapter_config.json")) as f:
+        alpha = json.load(f)["lora_alpha"]
+    writer = gguf.GGUFWriter(out, "llama")
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(alpha))
+    for key, t in sorted(load_file(os.path.join(peft_folder, "adapter_model.safetensors")).items()):
+        parts = key.split(".")
+        layer, module, which = parts[parts.index("layers") + 1], parts[-3], parts[-2][-1].lower()
+        if which == "b" and module in ("q_proj", "k_proj"):
+            n = heads[0] if module == "q_proj" else heads[1]
+            t = t.reshape(n, 2, t.shape[0] // n // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        writer.add_tensor(f"blk.{layer}.{names[module]}.weight.lora_{which}", t.half().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_a_gguf_lora_file_serves_as_its_peft_folder(lora_engine, adapters, reference, tmp_path, hf_model):
+    cfg = hf_model.config
+    path = _gguf_lora(adapters["poet"], str(tmp_path / "poet.gguf"), (cfg.num_attention_heads, cfg.num_key_value_heads))
+    lora_engine.load_lora_adapter("poet-gguf", path)
+    try:
+        assert lora_engine.generate(PROMPT, GREEDY, lora_path="poet-gguf")["output_ids"] == reference["poet"]
+    finally:
+        lora_engine.unload_lora_adapter("poet-gguf")
+
+
+def test_the_c_decode_stack_adds_adapters_as_the_layer_loop_does(adapters):
+    """With the file's blocks (the default), decode steps run the C layer stack; rows with adapters (and a base row
+    beside them) give the layer loop's logits, the base row bit for bit."""
+    from plait.runtime.forward.batch import ForwardMode
+    from plait.runtime.model_executor.model_runner import ModelRunner, WorkItem
+    from plait.runtime.server_args import ServerArgs
+
+    args = ServerArgs(num_threads=THREADS, log_level="warning", max_total_tokens=1024,
+                      lora_paths=(f"pirate={adapters['pirate']}", f"poet={adapters['poet']}")).resolved()
+    r = ModelRunner(args, progress=False)
+    assert r.model.graph is not None
+    slots = [r.lora.resident["pirate"].slot, -1, r.lora.resident["poet"].slot, r.lora.resident["poet"].slot]
+    prompts = [r.tokenizer.encode(t) for t in ("Who are you?", "The capital of France is", "Roses are", "One two")]
+    rows = []
+    for i, ids in enumerate(prompts):
+        rows.append(r.req_to_token.alloc())
+        r.req_to_token.table[rows[-1], : len(ids) + 1] = torch.arange(len(ids) + 1) + 64 * i
+        r.forward([WorkItem(rows[-1], 0, ids, [len(ids) - 1], lora=slots[i])])
+
+    def decode():
+        return r.forward([WorkItem(rows[i], len(ids), [ids[-1]], [0], ForwardMode.DECODE, lora=slots[i])
+                          for i, ids in enumerate(prompts)]).logits
+
+    stack = decode()
+    graph, r.model.graph = r.model.graph, None
+    loop = decode()
+    r.model.graph = graph
+    assert torch.equal(stack[1], loop[1])
+    assert (stack - loop).abs().max() < 5e-3 * loop.abs().max() and torch.equal(stack.argmax(-1), loop.argmax(-1))

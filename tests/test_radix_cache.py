@@ -70,6 +70,28 @@ def test_join_edges_are_seen_only_by_requests_naming_the_join():
     cache.check()
 
 
+def test_namespaces_share_prefixes_within_and_never_across():
+    """A LoRA adapter's KV (its namespace) is matched by its own requests only; base requests never see it."""
+    alloc = KVAllocator(64)
+    cache = RadixCache(alloc)
+    key = [1, 2, 3, 4, 5, 6]
+    in_a = _alloc(alloc, 6)
+    assert cache.insert(key, in_a, namespace="lora0") == 0
+    assert cache.match_prefix(key).indices.numel() == 0  # the base sees nothing
+    assert cache.match_prefix(key, namespace="lora1").indices.numel() == 0  # nor does another adapter
+    assert cache.match_prefix([1, 2, 3, 9], namespace="lora0").indices.tolist() == in_a[:3].tolist()  # a split
+    base = _alloc(alloc, 6)
+    assert cache.insert(key, base) == 0  # the same tokens under the base weights: a path of their own
+    assert cache.match_prefix(key).indices.tolist() == base.tolist()
+    assert cache.match_prefix(key, namespace="lora0").indices.tolist() == in_a.tolist()
+    more = _alloc(alloc, 8)
+    assert cache.insert(key + [7, 8], more, namespace="lora0") == 6  # extends within the namespace
+    alloc.free(more[:6])
+    cache.check()
+    assert cache.evict(100) == 6 + 2 + 6
+    cache.check()
+
+
 def test_no_cache_keeps_nothing():
     alloc = KVAllocator(16)
     cache = NoCache(alloc)

@@ -208,7 +208,7 @@ class Linear(nn.Module):
         self.method = method
         method.create_weights(self)
         self.bias = empty_param(self.out_features, dtype=bias_dtype) if bias else None
-        # LoRA adapters (runtime/lora/manager.py): slot -> (A [R, in], scaling * B [out, R]) over all the shards
+        # LoRA adapters (runtime/lora/manager.py): slot -> (A [R, in], (scaling * B)^T [R, out]) over all the shards
         self.lora: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _rows(self, shard: str, tensor_rows: int, what: str) -> int:
@@ -288,12 +288,22 @@ class Linear(nn.Module):
         return current_batch().lora or None
 
     def _add_lora(self, x: torch.Tensor, y: torch.Tensor, segments: list[tuple[int, int, int]]) -> torch.Tensor:
-        """y += B (A x) per segment of rows, each with its own adapter (a segmented low-rank matmul)."""
+        """y += B (A x) per segment of rows, each with its own adapter (a segmented low-rank matmul): on a GPU one
+        Triton launch for all the segments (kernels/triton_lora.py), on a CPU a product per segment."""
+        if x.is_cuda:
+            from plait.kernels.triton_lora import lora_triton, stack_pairs
+
+            used = [(start, stop, slot) for start, stop, slot in segments if slot in self.lora]
+            slots = sorted({slot for _, _, slot in used})
+            if slots:
+                a, bt = stack_pairs([self.lora[slot] for slot in slots])
+                lora_triton(x.float().contiguous(), y, a, bt, [(s, e, slots.index(slot)) for s, e, slot in used])
+            return y
         for start, stop, slot in segments:
             pair = self.lora.get(slot)
             if pair is not None:
-                a, b = pair
-                y[start:stop] += (x[start:stop].float() @ a.T) @ b.T
+                a, bt = pair
+                y[start:stop] += (x[start:stop].float() @ a.T) @ bt
         return y
 
 

@@ -127,7 +127,8 @@ class LoRAManager:
 
     def _per_linear(self, adapter: LoRAAdapter) -> dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
         """Each targeted linear layer's pair for the whole layer: its shards' A stacked ([R, in]) and their B laid
-        into its output rows ([out, R], zero elsewhere), checked against the layer's shapes."""
+        into its output rows, transposed ([R, out], zero elsewhere: kernels add B^T's rows to a row's outputs),
+        checked against the layer's shapes."""
         layers = self.model.layers
         grouped: dict[nn.Module, list[tuple[str, str, torch.Tensor, torch.Tensor]]] = {}
         for (i, module), (a, b) in adapter.pairs.items():
@@ -157,7 +158,7 @@ class LoRAManager:
                 a_all[col : col + r] = a
                 b_all[start : start + size, col : col + r] = b
                 col += r
-            out[linear] = (a_all, b_all)
+            out[linear] = (a_all, b_all.t().contiguous())
         return out
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from plait.kernels.cpu_decode import DecodeLayers, StepTables
+from plait.kernels.cpu_decode import DecodeLayers, LoraTable, StepTables
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.model_config import FULL, SLIDING
 from plait.runtime.forward.batch import ForwardBatch
@@ -47,8 +47,10 @@ class NativeDecodeRunner:
 
     name = "c"
 
-    def __init__(self, stack: DecodeLayers):
+    def __init__(self, stack: DecodeLayers, layers: list[nn.Module] | None = None):
         self.stack = stack
+        self.layers = layers or []  # their linear layers' LoRA pairs (runtime/lora), for steps that use adapters
+        self._lora: LoraTable | None = None  # the table of the last adapter set seen
 
     def takes(self, fb: ForwardBatch) -> bool:
         """Decode and verify items (no prompt chunk), no shared-prefix split (the loop's cascade pass), and few
@@ -58,14 +60,30 @@ class NativeDecodeRunner:
                 and (fb.num_tokens <= self.stack.max_rows or fb.batch_invariant))
 
     def run(self, x: torch.Tensor, fb: ForwardBatch, rope: Rope) -> torch.Tensor:
-        return self.stack(x.contiguous(), step_tables(fb, rope), fb.batch_invariant)
+        lora = self._lora_rows(fb) if fb.lora else None
+        return self.stack(x.contiguous(), step_tables(fb, rope), fb.batch_invariant, lora)
+
+    def _lora_rows(self, fb: ForwardBatch) -> tuple[LoraTable, torch.Tensor]:
+        """The step's adapters' table (rebuilt when the set of adapters changes; a slot is never reused, so an
+        unchanged set means unchanged pairs) and each row's index into it."""
+        rows = torch.full((fb.num_tokens,), -1, dtype=torch.int64)
+        slots: list[int] = []
+        for start, stop, slot in fb.lora:
+            if slot not in slots:
+                slots.append(slot)
+            rows[start:stop] = slots.index(slot)
+        if self._lora is None or self._lora.slots != tuple(slots):
+            self._lora = LoraTable(tuple(slots), [[lin.lora for lin in (layer.qkv_proj, layer.o_proj,
+                                                                        layer.gate_up_proj, layer.down_proj)]
+                                                  for layer in self.layers])
+        return self._lora, rows
 
 
 @register("c")
 def _native(model: nn.Module, pool: KVPool) -> NativeDecodeRunner | None:
     native = getattr(model, "native_decode", None)
     stack = native(pool) if native is not None else None
-    return None if stack is None else NativeDecodeRunner(stack)
+    return None if stack is None else NativeDecodeRunner(stack, list(model.layers))
 
 
 def step_tables(fb: ForwardBatch, rope: Rope) -> StepTables:

@@ -306,7 +306,7 @@ class LlamaForCausalLM(nn.Module):
         if self.rotary_local is not None:
             rope[SLIDING] = self.rotary_local.tables(fb.positions)
         taken: dict[int, torch.Tensor] = {}
-        if not capture and self.graph is not None and fb.lora is None and self.graph.takes(fb):  # C: no adapters
+        if not capture and self.graph is not None and self.graph.takes(fb):
             x = self.graph.run(x, fb, rope)
         else:
             for i, layer in enumerate(self.layers):
