@@ -48,34 +48,36 @@ class _Step(ctypes.Structure):
 
 
 class _LoraPair(ctypes.Structure):
-    _fields_ = [("a", PTR), ("bt", PTR), ("r", _I64)]
+    _fields_ = [("a", PTR), ("bt", PTR), ("r", _I64), ("off", _I64), ("n", _I64)]
 
 
 LORA_PROJECTIONS = 4  # per layer, in the C table's order: qkv, o, gate_up, down
+LORA_PARTS = 3  # shards per projection (q, k, v)
 
 
 class LoraTable:
     """The pairs of the adapters `slots` (in that order) for every layer's four projections, as the C stack reads
-    them: `pairs[layer][projection]` maps a slot to (A [r, k], (scaling * B)^T [r, n]), float32 contiguous."""
+    them: `pairs[layer][projection]` maps a slot to its shards' (output offset, A [r, k], (scaling * B)^T [r, n]),
+    float32 contiguous, at most LORA_PARTS of them."""
 
-    def __init__(self, slots: tuple[int, ...], pairs: list[list[dict[int, tuple[torch.Tensor, torch.Tensor]]]]):
+    def __init__(self, slots: tuple[int, ...], pairs: list[list[dict[int, list]]]):
         entries, self._keep, rmax = [], [], 1
         for layer in pairs:
             if len(layer) != LORA_PROJECTIONS:
                 raise ValueError(f"a layer has {len(layer)} projections' pairs, the stack takes {LORA_PROJECTIONS}")
             for by_slot in layer:
                 for slot in slots:
-                    pair = by_slot.get(slot)
-                    if pair is None:
-                        entries.append(_LoraPair())
-                        continue
-                    a, bt = pair
-                    if a.dtype is not torch.float32 or bt.dtype is not torch.float32 or not (
-                            a.is_contiguous() and bt.is_contiguous()) or bt.shape[0] != a.shape[0]:
-                        raise ValueError("LoRA pairs must be contiguous float32 A [r, k] and B^T [r, n]")
-                    self._keep.append(pair)  # the table points into them
-                    entries.append(_LoraPair(a.data_ptr(), bt.data_ptr(), a.shape[0]))
-                    rmax = max(rmax, a.shape[0])
+                    parts = by_slot.get(slot, [])
+                    if len(parts) > LORA_PARTS:
+                        raise ValueError(f"{len(parts)} shards of one projection (at most {LORA_PARTS})")
+                    for off, a, bt in parts:
+                        if a.dtype is not torch.float32 or bt.dtype is not torch.float32 or not (
+                                a.is_contiguous() and bt.is_contiguous()) or bt.shape[0] != a.shape[0]:
+                            raise ValueError("LoRA pairs must be contiguous float32 A [r, k] and B^T [r, n]")
+                        self._keep.append((a, bt))  # the table points into them
+                        entries.append(_LoraPair(a.data_ptr(), bt.data_ptr(), a.shape[0], off, bt.shape[1]))
+                        rmax = max(rmax, a.shape[0])
+                    entries.extend(_LoraPair() for _ in range(LORA_PARTS - len(parts)))
         self.slots, self.rmax = slots, rmax
         self._table = (_LoraPair * len(entries))(*entries)
 
@@ -190,8 +192,8 @@ class DecodeLayers:
             table, rows = lora
             if rows.dtype is not torch.int64 or rows.shape != (x.shape[0],) or not rows.is_contiguous():
                 raise ValueError("the LoRA rows must be contiguous int64, one per row")
-            if int(rows.max()) >= len(table.slots) or len(table._table) != len(self.layers) * LORA_PROJECTIONS * len(
-                    table.slots):
+            if int(rows.max()) >= len(table.slots) or len(table._table) != (
+                    len(self.layers) * LORA_PROJECTIONS * len(table.slots) * LORA_PARTS):
                 raise ValueError("the LoRA table does not fit the rows or the layers")
             step.lora, step.lora_row = table.ptr(), rows.data_ptr()
             step.lora_k, step.lora_rmax = len(table.slots), table.rmax

@@ -38,12 +38,14 @@ typedef struct {
   const float *q_norm, *k_norm;  // per-head RMS norms of q and k [head_dim] before RoPE; NULL: none
 } Layer;
 
-// a LoRA adapter's pair for one projection: A [r, k] and (scaling * B)^T [r, n]; a == NULL: it leaves the
-// projection alone
+// a LoRA adapter's pair for one shard of a projection (q, k or v of qkv; gate or up; o; down): A [r, k] and
+// (scaling * B)^T [r, n], added to the projection's output columns [off, off + n); a == NULL: none
 typedef struct {
   const float *a, *bt;
-  int64_t r;
+  int64_t r, off, n;
 } LoraPair;
+
+#define LORA_PARTS 3  // shards per projection in the table
 
 // the batch: `rows` decode tokens, one per request
 typedef struct {
@@ -56,46 +58,56 @@ typedef struct {
   int64_t kv_fmt, act;             // FMT_F32 / FMT_BF16; 0: SiLU, 1: GELU (tanh)
   float eps, scale;
   int64_t threads, invariant;
-  // LoRA adapters (runtime/lora): lora[(layer * 4 + projection) * lora_k + adapter] for projections qkv, o, gate_up,
-  // down; lora_row[row]: the row's adapter (-1: none); NULL lora: the base model only
+  // LoRA adapters (runtime/lora): lora[((layer * 4 + projection) * lora_k + adapter) * LORA_PARTS + shard] for
+  // projections qkv, o, gate_up, down; lora_row[row]: the row's adapter (-1: none); NULL lora: the base model only
   const LoraPair *lora;
   const int64_t *lora_row;
   int64_t lora_k, lora_rmax;
 } Step;
 
-// y [m, n] += B (A in_r) for each row r run with an adapter that has a pair for this projection (`pairs`: the step's
-// `count` adapters' pairs for it): a segmented low-rank product. `order` lists the rows grouped by adapter, adapter
-// a's from start[a] to start[a + 1]: each pair is read once for all its rows, the threads splitting its rank (A)
-// and then its outputs (B^T, in runs of columns each row adds to in place). tmp: [m, rmax].
+// y [m, n] += B (A in_r) for each row r run with an adapter that has pairs for this projection (`pairs`: the step's
+// `count` adapters' LORA_PARTS shards for it): a segmented low-rank product. `order` lists the rows grouped by
+// adapter, adapter a's from start[a] to start[a + 1], so each pair is read once for all its rows. Two loops shared
+// by the threads, one barrier between them: A's rows of every (adapter, shard) into tmp [m, LORA_PARTS, rmax], then
+// B^T's columns in runs of 64, each row adding them to its outputs in place.
 static void lora_add(const LoraPair *pairs, int64_t count, const int64_t *order, const int64_t *start,
                      const float *in, int64_t k, float *y, int64_t n, float *tmp, int64_t rmax, int threads) {
+  const int64_t chunks = (n + 63) / 64, stride = LORA_PARTS * rmax;
 #pragma omp parallel num_threads(threads)
-  for (int64_t ad = 0; ad < count; ++ad) {
-    const LoraPair *p = &pairs[ad];
-    const int64_t first = start[ad], rows = start[ad + 1] - first, r = p->r;
-    if (!p->a || !rows) continue;
+  {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < r; ++i) {
+    for (int64_t w = 0; w < count * LORA_PARTS * rmax; ++w) {
+      const int64_t ad = w / stride, part = w / rmax % LORA_PARTS, i = w % rmax;
+      const LoraPair *p = &pairs[ad * LORA_PARTS + part];
+      const int64_t first = start[ad], rows = start[ad + 1] - first;
+      if (!p->a || i >= p->r) continue;
       const float *ar = p->a + i * k;
       for (int64_t c = 0; c < rows; ++c) {
         const float *xr = in + order[first + c] * k;
         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
         for (int64_t j = 0; j < k; ++j) acc += ar[j] * xr[j];
-        tmp[(first + c) * rmax + i] = acc;
+        tmp[(first + c) * stride + part * rmax + i] = acc;
       }
     }
 #pragma omp for schedule(static)
-    for (int64_t j0 = 0; j0 < n; j0 += 64) {
-      const int64_t width = n - j0 < 64 ? n - j0 : 64;
+    for (int64_t w = 0; w < count * LORA_PARTS * chunks; ++w) {
+      const int64_t ad = w / (LORA_PARTS * chunks), part = w / chunks % LORA_PARTS, j0 = w % chunks * 64;
+      const LoraPair *p = &pairs[ad * LORA_PARTS + part];
+      const int64_t first = start[ad], rows = start[ad + 1] - first;
+      if (!p->a || j0 >= p->n) continue;
+      const int64_t width = p->n - j0 < 64 ? p->n - j0 : 64;
       for (int64_t c = 0; c < rows; ++c) {
-        const float *t = tmp + (first + c) * rmax;
-        float *yr = y + order[first + c] * n + j0;
-        for (int64_t i = 0; i < r; ++i) {
-          const float ti = t[i], *bt = p->bt + i * n + j0;
+        const float *t = tmp + (first + c) * stride + part * rmax;
+        float acc[64] = {0.f};  // the run's sums in registers, added to the row once
+        for (int64_t i = 0; i < p->r; ++i) {
+          const float ti = t[i], *bt = p->bt + i * p->n + j0;
 #pragma omp simd
-          for (int64_t jj = 0; jj < width; ++jj) yr[jj] += ti * bt[jj];
+          for (int64_t jj = 0; jj < width; ++jj) acc[jj] += ti * bt[jj];
         }
+        float *yr = y + order[first + c] * n + p->off + j0;
+#pragma omp simd
+        for (int64_t jj = 0; jj < width; ++jj) yr[jj] += acc[jj];
       }
     }
   }
@@ -153,7 +165,7 @@ int decode_layers(const Layer *layers, int64_t count, const Step *s, float *x) {
   // wide: qkv or gate | up (part: one part of it); q: rotated queries; attn: attention output; y: o_proj /
   // down_proj output; normed: a normed input; post: a sublayer's output normed (Gemma)
   const int64_t rmax = s->lora ? s->lora_rmax : 0;
-  float *buf = (float *)malloc(sizeof(float) * (size_t)(m * (2 * widest + 2 * hq * d + hq + 3 * h + rmax)));
+  float *buf = (float *)malloc(sizeof(float) * (size_t)(m * (2 * widest + 2 * hq * d + hq + 3 * h + LORA_PARTS * rmax)));
   if (!buf) return -1;
   float *wide = buf, *part = wide + m * widest, *q = part + m * widest, *attn = q + m * hq * d;
   float *lse = attn + m * hq * d, *y = lse + m * hq, *normed = y + m * h, *post = normed + m * h;
@@ -178,7 +190,8 @@ int decode_layers(const Layer *layers, int64_t count, const Step *s, float *x) {
     start[s->lora_k] = at;
   }
 #define LORA(proj, in, k, out, n) \
-  lora_add(s->lora + (i * 4 + (proj)) * s->lora_k, s->lora_k, order, start, in, k, out, n, lora_tmp, rmax, threads)
+  lora_add(s->lora + (i * 4 + (proj)) * s->lora_k * LORA_PARTS, s->lora_k, order, start, in, k, out, n, lora_tmp, \
+           rmax, threads)
   for (int64_t i = 0; i < count; ++i) {
     const Layer *l = &layers[i];
     // a window layer's slots are the window set where the batch has one (the pool keeps every token otherwise)

@@ -76,6 +76,7 @@ class ScriptedRunner:
         self.req_to_token = ReqToTokenPool(max_running_requests + 8, context_length + 1)
         self.kv_window = 0
         self.weight_bytes = 0
+        self.lora = None  # no LoRA adapters
         self.slot_token = torch.full((num_slots,), -1, dtype=torch.int64)  # the "KV": each slot's token
         self.forwards: list[list[WorkItem]] = []  # every forward's items, for tests of what ran together
         self.fail_next: Exception | None = None  # raised by the next forward (a runner fault)

@@ -208,8 +208,9 @@ class Linear(nn.Module):
         self.method = method
         method.create_weights(self)
         self.bias = empty_param(self.out_features, dtype=bias_dtype) if bias else None
-        # LoRA adapters (runtime/lora/manager.py): slot -> (A [R, in], (scaling * B)^T [R, out]) over all the shards
-        self.lora: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # LoRA adapters (runtime/lora/manager.py): slot -> its shards' (first output row, A [r, in],
+        # (scaling * B)^T [r, rows])
+        self.lora: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
 
     def _rows(self, shard: str, tensor_rows: int, what: str) -> int:
         if shard not in self.shard_rows:
@@ -296,15 +297,23 @@ class Linear(nn.Module):
             used = [(start, stop, slot) for start, stop, slot in segments if slot in self.lora]
             slots = sorted({slot for _, _, slot in used})
             if slots:
-                a, bt = stack_pairs([self.lora[slot] for slot in slots])
+                a, bt = stack_pairs([self._whole_pair(self.lora[slot]) for slot in slots])
                 lora_triton(x.float().contiguous(), y, a, bt, [(s, e, slots.index(slot)) for s, e, slot in used])
             return y
         for start, stop, slot in segments:
-            pair = self.lora.get(slot)
-            if pair is not None:
-                a, bt = pair
-                y[start:stop] += (x[start:stop].float() @ a.T) @ bt
+            for off, a, bt in self.lora.get(slot, ()):
+                y[start:stop, off : off + bt.shape[1]] += (x[start:stop].float() @ a.T) @ bt
         return y
+
+    def _whole_pair(self, parts: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """An adapter's shards as one pair over the whole output: A stacked, B^T laid into its shards' columns."""
+        a = torch.cat([p[1] for p in parts])
+        bt = a.new_zeros(a.shape[0], self.out_features)
+        row = 0
+        for off, ai, bti in parts:
+            bt[row : row + ai.shape[0], off : off + bti.shape[1]] = bti
+            row += ai.shape[0]
+        return a, bt
 
 
 class QKVLinear(Linear):

@@ -97,7 +97,7 @@ class LoRAManager:
     def _make_resident(self, name: str) -> Resident:
         adapter = read_adapter(name, self.paths[name], self._heads)
         per_linear = self._per_linear(adapter)
-        need = sum((a.numel() + b.numel()) * a.element_size() for a, b in per_linear.values())
+        need = sum((a.numel() + bt.numel()) * a.element_size() for parts in per_linear.values() for _, a, bt in parts)
         if need > self.budget:
             raise ValueError(f"LoRA adapter {name!r} needs {need / 2**20:.1f} MiB, more than the LoRA memory budget "
                              f"of {self.budget / 2**20:.0f} MiB (--lora-memory-mb)")
@@ -111,8 +111,8 @@ class LoRAManager:
                              f"requests hold ({self.resident_bytes / 2**20:.1f} of {self.budget / 2**20:.0f} MiB)")
         slot = self._next_slot
         self._next_slot += 1
-        for linear, (a, b) in per_linear.items():
-            linear.lora[slot] = (a, b)
+        for linear, parts in per_linear.items():
+            linear.lora[slot] = parts
         res = Resident(slot, need, adapter.rank)
         self.resident[name] = res
         logger.info("LoRA adapter %s resident: rank %d, %s, %.1f MiB", name, adapter.rank, ",".join(adapter.modules),
@@ -125,12 +125,11 @@ class LoRAManager:
             for linear in _linears(layer):
                 linear.lora.pop(res.slot, None)
 
-    def _per_linear(self, adapter: LoRAAdapter) -> dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-        """Each targeted linear layer's pair for the whole layer: its shards' A stacked ([R, in]) and their B laid
-        into its output rows, transposed ([R, out], zero elsewhere: kernels add B^T's rows to a row's outputs),
-        checked against the layer's shapes."""
+    def _per_linear(self, adapter: LoRAAdapter) -> dict[nn.Module, list[tuple[int, torch.Tensor, torch.Tensor]]]:
+        """Each targeted linear layer's shards, in output order: (their first output row, A [r, in],
+        (scaling * B)^T [r, rows]; kernels add B^T's rows to a row's outputs), checked against the layer's shapes."""
         layers = self.model.layers
-        grouped: dict[nn.Module, list[tuple[str, str, torch.Tensor, torch.Tensor]]] = {}
+        out: dict[nn.Module, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         for (i, module), (a, b) in adapter.pairs.items():
             if i >= len(layers):
                 raise ValueError(f"LoRA adapter {adapter.name!r} has layer {i}; the model has {len(layers)}")
@@ -141,25 +140,13 @@ class LoRAManager:
                                  "layer's MLP takes no adapter)")
             if linear.keep_rows or linear.keep_cols is not None:
                 raise ValueError("LoRA adapters need the model whole on one rank (no tensor parallelism)")
-            grouped.setdefault(linear, []).append((module, shard, a, b))
-        out = {}
-        for linear, parts in grouped.items():
-            rank = sum(a.shape[0] for _, _, a, _ in parts)
-            a_all = torch.zeros(rank, linear.in_features)
-            b_all = torch.zeros(linear.out_features, rank)
-            col = 0
-            for module, shard, a, b in parts:
-                start, size = linear.shard_rows[shard] if shard else (0, linear.out_features)
-                if a.shape[1] != linear.in_features or b.shape[0] != size:
-                    raise ValueError(f"LoRA adapter {adapter.name!r}: {module} pair A {tuple(a.shape)}, B "
-                                     f"{tuple(b.shape)} does not fit the model's {module} ({size} x "
-                                     f"{linear.in_features}): an adapter of another base model?")
-                r = a.shape[0]
-                a_all[col : col + r] = a
-                b_all[start : start + size, col : col + r] = b
-                col += r
-            out[linear] = (a_all, b_all.t().contiguous())
-        return out
+            start, size = linear.shard_rows[shard] if shard else (0, linear.out_features)
+            if a.shape[1] != linear.in_features or b.shape[0] != size:
+                raise ValueError(f"LoRA adapter {adapter.name!r}: {module} pair A {tuple(a.shape)}, B "
+                                 f"{tuple(b.shape)} does not fit the model's {module} ({size} x {linear.in_features}): "
+                                 "an adapter of another base model?")
+            out.setdefault(linear, []).append((start, a, b.t().contiguous()))
+        return {linear: sorted(parts, key=lambda p: p[0]) for linear, parts in out.items()}
 
 
 def _linears(layer: nn.Module) -> list[nn.Module]:
