@@ -320,6 +320,12 @@ class ServerArgs:
             speculative_num_steps=self.speculative_num_steps or self.speculative_num_draft_tokens - 1,
         )
 
+    def model_names(self) -> set[str]:
+        """The names a request may give the (resolved) main model: its served name (--served-model-name, else the
+        file's name), "default", its path, and the file's name with and without its extension."""
+        base = os.path.basename(self.model_path.rstrip("/"))
+        return {self.served_model_name or base, "default", self.model_path, base, os.path.splitext(base)[0]}
+
     def encoder_args(self) -> "ServerArgs":
         """The resolved configuration of the --embedding-model's runner and scheduler (beside the main model's)."""
         return dataclasses.replace(

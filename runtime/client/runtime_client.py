@@ -128,6 +128,11 @@ class RuntimeClient:
             raise ValueError("this server has no embedding model (--embedding-model-path)")
         return self.encoder_limits if encoder else self.limits
 
+    def embed_input(self, value, field: str = "input", encoder: bool = False, **options) -> EmbedInput:
+        """`value` checked as an embedding call's input against the limits of the model that embeds it (the
+        --embedding-model's when `encoder`); `options`: EmbedInput.of's dimensions, truncate, pooling."""
+        return EmbedInput.of(value, self.embedding_limits(encoder), field, encoder=encoder, **options)
+
     async def embed(self, inp: EmbedInput) -> tuple[list[list[float]], list[int]]:
         """The inputs' embeddings (L2-normalized, in input order) and each one's tokens."""
         limits = self.embedding_limits(inp.encoder)
@@ -141,14 +146,8 @@ class RuntimeClient:
         for m in msgs:
             validate_request(m, limits)
         states = self.submit(msgs, check_work=False)
-        try:
-            await asyncio.gather(*(self._wait(st) for st in states))
-        finally:
-            for st in states:
-                if st.finish is None:
-                    self.abort(st.msg.rid)
+        await self.first(self.results(states, stream=False, single=False))  # waits; refusals raise; aborts if cut
         for st in states:
-            raise_if_rejected(st)
             if st.embedding is None:
                 raise RequestFailed(500, f"the request ended ({st.finish.to_json()}) without an embedding")
         vectors = [finish_vector(st.embedding, inp.dimensions) for st in states]

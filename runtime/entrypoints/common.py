@@ -11,6 +11,7 @@ from typing import AsyncIterator, Collection
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 
 from plait.runtime.client import QueueFull, RequestFailed, RuntimeClient, RuntimeDead
 from plait.runtime.client.embeddings import encoder_names, uses_encoder
@@ -55,8 +56,7 @@ class ServerState:
         self.reasoning_parser: ReasoningParser | None = None
         self.model_name = served_model_name(args)
         # names an OpenAI request may give for the one model served (others get a 404, as in vLLM)
-        base = os.path.basename(args.model_path.rstrip("/"))
-        self.model_aliases = {self.model_name, "default", args.model_path, base, os.path.splitext(base)[0]}
+        self.model_aliases = args.model_names()
         # the --embedding-model's name and the names a request may give it (none: there is none)
         self.encoder_aliases = encoder_names(args.embedding_model_path)
         self.encoder_name = (os.path.basename(args.embedding_model_path.rstrip("/")) if args.embedding_model_path
@@ -84,6 +84,15 @@ async def read_json(request: Request) -> dict:
     if len(raw) > _THREAD_PARSE_BYTES:  # a big body is parsed off the event loop
         return await asyncio.to_thread(parse_json_body, raw)
     return parse_json_body(raw)
+
+
+async def validated_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The body as `model`, strictly (no bool for an int, no string for a number); a 400 names each field."""
+    body = await read_json(request)
+    try:
+        return model.model_validate(body, strict=True)
+    except ValidationError as e:
+        raise HTTPError(400, validation_message(e.errors(include_url=False))) from None
 
 
 def validation_message(errors: list[dict]) -> str:

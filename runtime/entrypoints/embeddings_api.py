@@ -32,8 +32,7 @@ async def embedded(request: Request, client: RuntimeClient, inp: EmbedInput) -> 
 async def embeddings(request: Request, state: ServerState = Depends(server_state)):
     req = await parse_body(request, EmbeddingRequest, state, check_model=False)
     encoder = embedding_model(state, req.model)
-    inp = EmbedInput.of(req.input, state.client.embedding_limits(encoder), dimensions=req.dimensions,
-                        encoder=encoder)
+    inp = state.client.embed_input(req.input, encoder=encoder, dimensions=req.dimensions)
     vectors, tokens = await embedded(request, state.client, inp)
     encode = base64_floats if req.encoding_format == "base64" else (lambda v: v)
     return {"object": "list", "model": state.encoder_name if encoder else state.model_name,
@@ -55,6 +54,6 @@ async def encode(request: Request, state: ServerState = Depends(server_state)):
     field = "text" if "text" in body else "input_ids"
     model = body.get("model")
     encoder = embedding_model(state, model if isinstance(model, str) or model is None else str(model))
-    inp = EmbedInput.of(body[field], state.client.embedding_limits(encoder), field, dimensions=body.get("dimensions"),
-                        pooling=body.get("pooling"), encoder=encoder)
+    inp = state.client.embed_input(body[field], field, encoder, dimensions=body.get("dimensions"),
+                                   pooling=body.get("pooling"))
     return native_result(body[field], *await embedded(request, state.client, inp))

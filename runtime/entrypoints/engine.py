@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from typing import Any, AsyncIterator, Iterator
 
 from plait.runtime.launch.launcher import launch_runtime
 from plait.runtime.server_args import ServerArgs
-from plait.runtime.client import EmbedInput, GenerateInput, RuntimeClient
+from plait.runtime.client import GenerateInput, RuntimeClient
 from plait.runtime.client.embeddings import encoder_names, native_result, uses_encoder
 
 logger = logging.getLogger(__name__)
@@ -75,15 +74,14 @@ class Engine:
         than the context instead of refusing them; `model`: the main model's name or the --embedding-model's
         (default: the embedding model where there is one)."""
         encoder = self._embedder(model)
-        inp = EmbedInput.of(input, self.client.embedding_limits(encoder), dimensions=dimensions, truncate=truncate,
-                            pooling=pooling, encoder=encoder)
+        inp = self.client.embed_input(input, encoder=encoder, dimensions=dimensions, truncate=truncate,
+                                      pooling=pooling)
         return self._checked(self._run(self.client.embed(inp)))[0]
 
     def _embedder(self, model: str | None) -> bool:
         args = self.args
-        main = {args.model_path, os.path.basename(args.model_path.rstrip("/")), args.served_model_name} - {None}
         try:
-            return uses_encoder(model, encoder_names(args.embedding_model_path), main)
+            return uses_encoder(model, encoder_names(args.embedding_model_path), args.model_names())
         except LookupError:
             raise ValueError(f"model {model!r} is neither the main model nor the embedding model") from None
 
@@ -92,8 +90,8 @@ class Engine:
         """SGLang's Engine.encode: {"embedding", "meta_info"} for one prompt, a list of them for a batch."""
         value = prompt if prompt is not None else input_ids
         encoder = self._embedder(None)
-        inp = EmbedInput.of(value, self.client.embedding_limits(encoder), "prompt" if prompt is not None else "input_ids",
-                            dimensions, encoder=encoder)
+        inp = self.client.embed_input(value, "prompt" if prompt is not None else "input_ids", encoder,
+                                      dimensions=dimensions)
         return native_result(value, *self._checked(self._run(self.client.embed(inp))))
 
     def abort(self, rid: str) -> None:

@@ -25,10 +25,9 @@ from pydantic import BaseModel, ValidationError
 
 from plait.runtime.client import QueueFull, RequestFailed, RuntimeDead
 from plait.runtime.client.request import ReqState
-from plait.runtime.entrypoints.common import (HTTPError, ServerState, constrained, first_or_disconnect, read_json,
-                                              server_state, started, validation_message)
+from plait.runtime.entrypoints.common import (HTTPError, ServerState, constrained, first_or_disconnect, server_state,
+                                              started, validated_body, validation_message)
 from plait.runtime.entrypoints.http_guard import shown
-from plait.runtime.client import EmbedInput
 from plait.runtime.entrypoints.embeddings_api import embedded
 from plait.runtime.entrypoints.ollama_protocol import (ChatRequest, EmbedRequest, GenerateRequest,
                                                        LegacyEmbeddingsRequest, ShowRequest)
@@ -64,11 +63,7 @@ def _embedder(state: ServerState, name: str) -> bool:
 
 
 async def _body(request: Request, model: type[BaseModel], state: ServerState, check_model: bool = True):
-    body = await read_json(request)
-    try:
-        req = model.model_validate(body, strict=True)
-    except ValidationError as e:
-        raise HTTPError(400, validation_message(e.errors(include_url=False))) from None
+    req = await validated_body(request, model)
     if check_model:
         _check_model(state, req.model_name() if isinstance(req, ShowRequest) else req.model)
     return req
@@ -323,8 +318,7 @@ async def embed(request: Request, state: ServerState = Depends(server_state)):
     out: dict[str, Any] = {"model": req.model, "embeddings": []}
     if req.input in (None, "", []):  # nothing to embed: Ollama's way to load the model
         return out
-    inp = EmbedInput.of(req.input, state.client.embedding_limits(encoder), dimensions=req.dimensions,
-                        truncate=req.truncate, encoder=encoder)
+    inp = state.client.embed_input(req.input, encoder=encoder, dimensions=req.dimensions, truncate=req.truncate)
     vectors, tokens = await embedded(request, state.client, inp)
     return {**out, "embeddings": vectors, "total_duration": int((time.perf_counter() - start) * 1e9),
             "load_duration": 0, "prompt_eval_count": sum(tokens)}
@@ -336,6 +330,6 @@ async def embeddings_legacy(request: Request, state: ServerState = Depends(serve
     encoder = _embedder(state, req.model)
     if not req.prompt:
         return {"embedding": []}
-    inp = EmbedInput.of(req.prompt, state.client.embedding_limits(encoder), "prompt", truncate=True, encoder=encoder)
+    inp = state.client.embed_input(req.prompt, "prompt", encoder, truncate=True)
     vectors, _ = await embedded(request, state.client, inp)
     return {"embedding": vectors[0]}

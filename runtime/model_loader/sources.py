@@ -56,6 +56,22 @@ def _readable(ggml_type: int) -> bool:
         return False
 
 
+def float_tensor(raw, info: TensorInfo) -> torch.Tensor:
+    """A GGUF tensor's bytes as float32 in its (HF-order) shape: floats widened, anything else dequantized."""
+    import gguf
+
+    if info.ggml_type in _FLOATS:
+        t = torch.from_numpy(np.frombuffer(raw, dtype=_FLOATS[info.ggml_type]).astype(np.float32))
+    elif info.ggml_type == 30:  # BF16: widen the raw 16 bits
+        t = torch.from_numpy((np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32))
+    elif len(info.shape) == 2 and info.ggml_type in BY_GGML_TYPE:  # plait's own dequantization: 5-10x faster
+        blocks = from_gguf(torch.from_numpy(raw).view(info.shape[0], -1), info.ggml_type)
+        t = dequantize(blocks, BY_GGML_TYPE[info.ggml_type])
+    else:
+        t = torch.from_numpy(gguf.quants.dequantize(np.asarray(raw), gguf.GGMLQuantizationType(info.ggml_type)))
+    return t.reshape(info.shape).contiguous()
+
+
 class GGUFSource:
     """A GGUF file, read by plait's own reader (runtime/model_loader/gguf_file.py): the config from its
     metadata, the tokenizer from its vocabulary, tensors renamed and laid out as HF's. A tensor of a type
@@ -87,8 +103,6 @@ class GGUFSource:
                 ) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
         """(HF name, tensor) in HF layout (only `names`, when given); with `keep_blocks`, tensors of a served
         block format come as their blocks (BlockTensor), never widened."""
-        import gguf
-
         cfg = self._config
 
         def load(info: TensorInfo) -> tuple[str, torch.Tensor | BlockTensor]:
@@ -97,17 +111,8 @@ class GGUFSource:
             fmt = _served_format(info) if keep_blocks else None
             if fmt is not None:  # the blocks as stored, one row of them per weight row
                 t = torch.from_numpy(raw).view(info.shape[0], -1)
-            elif info.ggml_type in _FLOATS:
-                t = torch.from_numpy(np.frombuffer(raw, dtype=_FLOATS[info.ggml_type]).astype(np.float32))
-            elif info.ggml_type == 30:  # BF16: widen the raw 16 bits
-                t = torch.from_numpy((np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32))
-            elif len(info.shape) == 2 and info.ggml_type in BY_GGML_TYPE:  # plait's own dequantization: 5-10x faster
-                fmt_of = BY_GGML_TYPE[info.ggml_type]
-                t = dequantize(from_gguf(torch.from_numpy(raw).view(info.shape[0], -1), info.ggml_type), fmt_of)
             else:
-                t = torch.from_numpy(gguf.quants.dequantize(np.asarray(raw), gguf.GGMLQuantizationType(info.ggml_type)))
-            if fmt is None:
-                t = t.reshape(info.shape).contiguous()
+                t = float_tensor(raw, info)
                 shift = norm_shift(self.arch, name)
                 if shift:
                     t = t + shift

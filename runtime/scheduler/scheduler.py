@@ -110,20 +110,17 @@ class Scheduler:
 
     def load_lora(self, name: str, path: str) -> dict:
         """Register an adapter: {"adapters"} (every name now served), or {"error"} (nothing changed)."""
-        if self.runner.lora is None:
-            return {"error": "this model takes no LoRA adapter"}
-        try:
-            self.runner.lora.register(name, path)
-        except ValueError as e:
-            return {"error": str(e)}
-        return {"adapters": self.runner.lora.names()}
+        return self._lora_change(lambda lora: lora.register(name, path))
 
     def unload_lora(self, name: str) -> dict:
-        """Unregister an adapter; the requests running with it finish with it."""
+        """Unregister an adapter (the requests running with it finish with it): as load_lora."""
+        return self._lora_change(lambda lora: lora.unregister(name))
+
+    def _lora_change(self, change: Callable) -> dict:
         if self.runner.lora is None:
             return {"error": "this model takes no LoRA adapter"}
         try:
-            self.runner.lora.unregister(name)
+            change(self.runner.lora)
         except ValueError as e:
             return {"error": str(e)}
         return {"adapters": self.runner.lora.names()}
