@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import THREADS
+from plait.kernels import cpu_build
 from server_util import Server
 
 # (rank, target modules, rsLoRA, the text it is trained on)
@@ -279,6 +280,8 @@ def test_a_gguf_lora_file_serves_as_its_peft_folder(lora_engine, adapters, refer
         lora_engine.unload_lora_adapter("poet-gguf")
 
 
+@pytest.mark.skipif(not cpu_build.c_kernels_possible(),
+                    reason="no C kernels here (PLAIT_CPU_ISA=ref or no compiler): no C decode stack")
 def test_the_c_decode_stack_adds_adapters_as_the_layer_loop_does(adapters):
     """With the file's blocks (the default), decode steps run the C layer stack; rows with adapters (and a base row
     beside them) give the layer loop's logits, the base row bit for bit."""
